@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""How patches are declared, checked and applied.
+
+Every patch module under ``vllm_dcp_geometry.patches`` declares the upstream
+module it patches, the symbols it replaces (with the parameter list it was
+written against), why, and when it can go. ``install`` applies each one the
+moment its upstream module is imported (at once if it already is), so a
+process only pays for the vLLM modules it really loads. A symbol that is
+missing or whose parameters changed raises ``UpstreamChangedError``: a patch
+never switches itself off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import inspect
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal, Protocol
+
+Process = Literal["all", "engine_core", "worker"]
+
+ORIGINAL_ATTR = "__vllm_dcp_geometry_original__"
+"""Set on every wrapper we install; holds the upstream object it replaced."""
+
+
+class UpstreamChangedError(RuntimeError):
+    """A vLLM symbol this plugin patches moved or changed its parameters."""
+
+
+@dataclass(frozen=True)
+class UpstreamSymbol:
+    """A symbol in ``module`` this plugin patches or relies on.
+
+    ``parameters`` is the parameter list the patch was written against, as
+    ``describe_parameters`` prints it; None checks only that it exists.
+    """
+
+    module: str
+    qualname: str
+    parameters: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+class PatchModule(Protocol):
+    UPSTREAM_MODULE: str
+    PROCESS: Process
+    PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...]
+    WHY: str
+    REMOVE_WHEN: str
+
+    def apply(self, module: ModuleType) -> None: ...
+
+
+def _callable_of(obj: Any) -> Any:
+    if isinstance(obj, (classmethod, staticmethod)):
+        return obj.__func__
+    if isinstance(obj, property):
+        return obj.fget
+    return obj
+
+
+def describe_parameters(obj: Any) -> str:
+    """Parameter names and kinds of a callable, e.g. ``self, x, *, y=, **kw``."""
+    func = _callable_of(obj)
+    func = getattr(func, ORIGINAL_ATTR, func)
+    func = _callable_of(func)
+    parts: list[str] = []
+    saw_kw_only = False
+    params = list(inspect.signature(func).parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+            saw_kw_only = True
+            continue
+        if p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+            continue
+        if p.kind is p.KEYWORD_ONLY and not saw_kw_only:
+            parts.append("*")
+            saw_kw_only = True
+        default = "=" if p.default is not p.empty else ""
+        parts.append(f"{p.name}{default}")
+        nxt = params[i + 1] if i + 1 < len(params) else None
+        if p.kind is p.POSITIONAL_ONLY and (
+            nxt is None or nxt.kind is not p.POSITIONAL_ONLY
+        ):
+            parts.append("/")
+    return ", ".join(parts)
+
+
+def lookup(module: ModuleType, qualname: str) -> tuple[Any, str, Any]:
+    """(owner, attribute name, raw attribute) of ``qualname`` in ``module``.
+
+    The attribute must be defined on its owner itself (not inherited), so a
+    patch never lands on a base class by accident.
+    """
+    owner: Any = module
+    *path, attr = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
+    if attr not in namespace:
+        raise AttributeError(f"{owner!r} defines no attribute {attr!r}")
+    return owner, attr, namespace[attr]
+
+
+def original_of(obj: Any) -> Any:
+    """The upstream object behind one of our wrappers (or ``obj`` itself)."""
+    return getattr(_callable_of(obj), ORIGINAL_ATTR, obj)
+
+
+def verify_symbol(symbol: UpstreamSymbol, module: ModuleType | None = None) -> Any:
+    """Check that ``symbol`` exists with the expected parameters; return it."""
+    if module is None:
+        module = importlib.import_module(symbol.module)
+    try:
+        _, _, raw = lookup(module, symbol.qualname)
+    except AttributeError as exc:
+        raise UpstreamChangedError(
+            f"vllm-dcp-geometry patches {symbol}, which no longer exists in the "
+            f"installed vLLM ({exc}). The plugin refuses to run without it."
+        ) from exc
+    if symbol.parameters is not None:
+        actual = describe_parameters(raw)
+        if actual != symbol.parameters:
+            raise UpstreamChangedError(
+                f"vllm-dcp-geometry patches {symbol}, whose parameters changed: "
+                f"expected ({symbol.parameters}), found ({actual}). The plugin "
+                "refuses to run against it."
+            )
+    return raw
+
+
+def mark_wrapper(wrapper: Any, original: Any) -> Any:
+    """Record ``original`` on ``wrapper`` so patching twice is a no-op."""
+    target = _callable_of(wrapper)
+    setattr(target, ORIGINAL_ATTR, original)
+    if not hasattr(target, "__wrapped__"):
+        target.__wrapped__ = _callable_of(original)
+    return wrapper
+
+
+def wrap(
+    owner: Any,
+    name: str,
+    make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> None:
+    """Replace ``owner.name`` with ``make_wrapper(original_function)``.
+
+    Keeps classmethod/staticmethod kinds; does nothing if already wrapped.
+    """
+    namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
+    raw = namespace[name]
+    if hasattr(_callable_of(raw), ORIGINAL_ATTR):
+        return
+    func = _callable_of(raw)
+    new: Any = make_wrapper(func)
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        if hasattr(func, attr):
+            try:
+                setattr(new, attr, getattr(func, attr))
+            except (AttributeError, TypeError):
+                pass
+    mark_wrapper(new, raw)
+    if isinstance(raw, classmethod):
+        new = classmethod(new)
+    elif isinstance(raw, staticmethod):
+        new = staticmethod(new)
+    setattr(owner, name, new)
+
+
+def add_attribute(owner: type, name: str, value: Any) -> None:
+    """Add a new attribute this plugin defines; refuse to shadow upstream's."""
+    existing = owner.__dict__.get(name)
+    if existing is not None and not hasattr(_callable_of(existing), ORIGINAL_ATTR):
+        defined_in = getattr(_callable_of(existing), "__module__", None) or ""
+        if defined_in.startswith("vllm_dcp_geometry"):
+            return
+        raise UpstreamChangedError(
+            f"{owner.__module__}.{owner.__qualname__} now defines {name!r} itself; "
+            "vllm-dcp-geometry would shadow it. Review the plugin against this "
+            "vLLM before running."
+        )
+    setattr(owner, name, value)
+
+
+def rebind_module_references(
+    original: Any, replacement: Any, prefix: str = "vllm"
+) -> list[str]:
+    """Point every loaded ``prefix.*`` module's global bound to ``original``
+    (``from x import f`` copies) at ``replacement``. Returns what changed."""
+    changed = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == prefix or mod_name.startswith(prefix + ".")):
+            continue
+        namespace = getattr(mod, "__dict__", None)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            if value is original:
+                setattr(mod, attr, replacement)
+                changed.append(f"{mod_name}.{attr}")
+    return changed
+
+
+# Post-import hooks --------------------------------------------------------------
+
+
+_lock = threading.RLock()
+_hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+
+class _HookedLoader(importlib.abc.Loader):
+    """Runs the registered callbacks right after the real loader executes."""
+
+    def __init__(self, loader: importlib.abc.Loader, fullname: str) -> None:
+        self._loader = loader
+        self._fullname = fullname
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Tracebacks and inspect.getsource read __loader__.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _run_hooks(self._fullname, module)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self._resolving: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _hooks or fullname in self._resolving:
+            return None
+        self._resolving.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._resolving.discard(fullname)
+        if spec.loader is None:
+            return spec
+        spec.loader = _HookedLoader(spec.loader, fullname)
+        return spec
+
+
+_finder = _PostImportFinder()
+
+
+def _run_hooks(fullname: str, module: ModuleType) -> None:
+    with _lock:
+        callbacks = _hooks.pop(fullname, [])
+    for callback in callbacks:
+        callback(module)
+
+
+def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Call ``callback(module)`` once ``module_name`` is imported (now if it is)."""
+    with _lock:
+        module = sys.modules.get(module_name)
+        if module is None:
+            _hooks.setdefault(module_name, []).append(callback)
+            if _finder not in sys.meta_path:
+                sys.meta_path.insert(0, _finder)
+            return
+    callback(module)
+
+
+def pending_modules() -> tuple[str, ...]:
+    """Upstream modules with patches still waiting for their import."""
+    with _lock:
+        return tuple(sorted(_hooks))

@@ -1,0 +1,306 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The per-cache DCP geometry contract, as pure functions.
+
+This module is the single source of truth for how a KV-cache group lays out
+token positions under decode context parallelism (DCP). It imports nothing from
+vLLM, so it can be read, tested and used (the CLI, the benchmarks) on its own.
+
+Symbols, as in the contract document:
+
+- ``D``: DCP world size, ``r`` in ``[0, D)`` a rank of the DCP group.
+- ``K``: a group's token-position shard count; rank ``r`` stores shard
+  ``s = r % K`` and is replica ``q = r // K`` of it (``D / K`` replicas).
+- ``B``: physical block size (tokens per block on one rank); ``V = B * K`` the
+  tokens one block-table column covers (the virtual block).
+- ``I``: interleave size, tokens placed on one shard before the next.
+- ``L``: the length a block table must address.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+PAD_SLOT_ID = -1
+"""Slot written for a position another shard owns (vLLM's ``PAD_SLOT_ID``)."""
+
+
+class DcpGeometryError(ValueError):
+    """A KV-cache spec, layer or layout breaks the DCP geometry contract."""
+
+
+class TokenLayout(str, enum.Enum):
+    """How a cache stores token positions under DCP, before any count is set."""
+
+    SHARDED = "sharded"
+    """Attention whose positions are spread over the DCP group (K = D unless
+    a partial ``dcp_kv_shard_count`` says otherwise)."""
+
+    REPLICATED = "replicated"
+    """Attention whose every position is held by every rank (K = 1)."""
+
+    RECURRENT = "recurrent"
+    """Recurrent state indexed by global position; never token-sharded."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ``a`` by positive ``b``."""
+    return -(-a // b)
+
+
+def check_dcp_world_size(dcp_world_size: int) -> None:
+    """Rule 1: the DCP world size is a positive integer."""
+    if isinstance(dcp_world_size, bool) or not isinstance(dcp_world_size, int):
+        raise DcpGeometryError(
+            f"DCP world size must be an integer, got {dcp_world_size!r}"
+        )
+    if dcp_world_size < 1:
+        raise DcpGeometryError(f"DCP world size must be >= 1, got {dcp_world_size}")
+
+
+def check_shard_count_value(owner: str, dcp_kv_shard_count: int | None) -> None:
+    """``dcp_kv_shard_count`` is None or a positive integer (checked without D)."""
+    if dcp_kv_shard_count is None:
+        return
+    if isinstance(dcp_kv_shard_count, bool) or not isinstance(
+        dcp_kv_shard_count, int
+    ):
+        raise DcpGeometryError(
+            f"{owner}: dcp_kv_shard_count must be an integer or None, "
+            f"got {dcp_kv_shard_count!r}"
+        )
+    if dcp_kv_shard_count < 1:
+        raise DcpGeometryError(
+            f"{owner}: dcp_kv_shard_count must be >= 1, got {dcp_kv_shard_count}"
+        )
+
+
+def resolve_shard_count(
+    *,
+    owner: str,
+    layout: TokenLayout,
+    dcp_world_size: int,
+    dcp_kv_shard_count: int | None = None,
+) -> int:
+    """Token-position shard count K of one layer's cache (rules 1-6).
+
+    ``owner`` names the spec or layer for error messages.
+    """
+    check_dcp_world_size(dcp_world_size)
+    if dcp_world_size == 1:
+        return 1
+    if layout is TokenLayout.RECURRENT:
+        if dcp_kv_shard_count not in (None, 1):
+            raise DcpGeometryError(
+                f"{owner}: recurrent state is indexed by global position and is "
+                f"never token-sharded, but dcp_kv_shard_count="
+                f"{dcp_kv_shard_count} was asked for (D={dcp_world_size})"
+            )
+        return 1
+    if layout is TokenLayout.REPLICATED:
+        if dcp_kv_shard_count not in (None, 1):
+            raise DcpGeometryError(
+                f"{owner}: a replicated cache (dcp_sharded=False) holds every "
+                f"position on every rank, so it cannot be partially sharded: "
+                f"dcp_kv_shard_count={dcp_kv_shard_count}, D={dcp_world_size}"
+            )
+        return 1
+    if layout is not TokenLayout.SHARDED:
+        raise DcpGeometryError(f"{owner}: unknown token layout {layout!r}")
+    if dcp_kv_shard_count is None:
+        return dcp_world_size
+    check_shard_count_value(owner, dcp_kv_shard_count)
+    k = dcp_kv_shard_count
+    if k > dcp_world_size or dcp_world_size % k != 0:
+        raise DcpGeometryError(
+            f"{owner}: dcp_kv_shard_count K={k} must divide the DCP world size "
+            f"D={dcp_world_size} (1 <= K <= D, D % K == 0)"
+        )
+    return k
+
+
+def resolve_uniform_shard_count(owner: str, layer_counts: Mapping[str, int]) -> int:
+    """Rule 7: the layers of one aggregate spec share a single K."""
+    if not layer_counts:
+        raise DcpGeometryError(f"{owner}: an aggregate spec without layers has no K")
+    distinct = set(layer_counts.values())
+    if len(distinct) != 1:
+        by_count: dict[int, list[str]] = {}
+        for name, count in layer_counts.items():
+            by_count.setdefault(count, []).append(name)
+        detail = "; ".join(
+            f"K={count}: {', '.join(sorted(names))}"
+            for count, names in sorted(by_count.items())
+        )
+        raise DcpGeometryError(
+            f"{owner}: every layer of one KV-cache group must have the same "
+            f"token-position shard count, got {detail}"
+        )
+    return distinct.pop()
+
+
+@dataclass(frozen=True)
+class ShardPosition:
+    """Where rank ``r`` sits in a group with K shards: shard ``r % K``,
+    replica ``r // K``."""
+
+    shard: int
+    replica: int
+
+
+def shard_position(rank: int, shard_count: int, dcp_world_size: int) -> ShardPosition:
+    """Shard and replica index of DCP rank ``rank`` for a group with K shards."""
+    check_dcp_world_size(dcp_world_size)
+    if not 0 <= rank < dcp_world_size:
+        raise DcpGeometryError(
+            f"DCP rank {rank} is outside the group of size {dcp_world_size}"
+        )
+    if shard_count < 1 or dcp_world_size % shard_count != 0:
+        raise DcpGeometryError(
+            f"shard count K={shard_count} must divide D={dcp_world_size}"
+        )
+    return ShardPosition(shard=rank % shard_count, replica=rank // shard_count)
+
+
+def virtual_block_size(block_size: int, shard_count: int) -> int:
+    """``V = B * K``: tokens one block-table column covers."""
+    return block_size * shard_count
+
+
+def attention_block_table_width(
+    max_len: int, block_size: int, shard_count: int
+) -> int:
+    """Columns an attention group needs to address ``max_len`` tokens:
+    ``cdiv(L, B * K)``."""
+    return cdiv(max_len, virtual_block_size(block_size, shard_count))
+
+
+def recurrent_align_block_table_width(
+    max_len: int, block_size: int, num_speculative_blocks: int
+) -> int:
+    """Columns of a recurrent group in align mode: rows are position-indexed
+    over the whole sequence, ``cdiv(L, B) + num_speculative_blocks``."""
+    return cdiv(max_len, block_size) + num_speculative_blocks
+
+
+def aligned_block_table_width(
+    num_blocks: int, block_size: int, token_alignment: int | None
+) -> int:
+    """Round a width up so a row covers a multiple of ``token_alignment``
+    tokens of ``block_size``-token blocks (vLLM's runner rule, restated for
+    planning without vLLM; the runtime calls vLLM's own)."""
+    if token_alignment is None:
+        return num_blocks
+    if token_alignment <= 0:
+        raise DcpGeometryError("token_alignment must be positive")
+    block_alignment = token_alignment // math.gcd(token_alignment, block_size)
+    return cdiv(num_blocks, block_alignment) * block_alignment
+
+
+def full_attention_pages_per_request(
+    max_len: int, block_size: int, shard_count: int
+) -> int:
+    """Pages one rank reserves for a full-attention request:
+    ``cdiv(cdiv(L, K), B)``."""
+    return cdiv(cdiv(max_len, shard_count), block_size)
+
+
+def scheduler_block_size(virtual_block_sizes: Iterable[int]) -> int:
+    """The LCM over groups of ``V = B * K``: the unit every group's blocks
+    tile evenly (prefix-cache hashing and scheduler block size)."""
+    sizes = list(virtual_block_sizes)
+    if not sizes:
+        raise DcpGeometryError("no KV-cache groups to size a scheduler block for")
+    return math.lcm(*sizes)
+
+
+def check_interleave(block_size: int, shard_count: int, interleave_size: int) -> None:
+    """The interleave ``I`` must be positive and divide ``B`` when K > 1, so a
+    virtual block holds whole interleave runs of every shard."""
+    if interleave_size < 1:
+        raise DcpGeometryError(
+            f"interleave size must be >= 1, got {interleave_size}"
+        )
+    if shard_count > 1 and block_size % interleave_size != 0:
+        raise DcpGeometryError(
+            f"block size B={block_size} must be divisible by the interleave size "
+            f"I={interleave_size} when a group is sharded (K={shard_count})"
+        )
+
+
+def owner_shard(
+    positions: npt.ArrayLike, block_size: int, shard_count: int, interleave_size: int
+) -> np.ndarray:
+    """Shard that stores each position: ``((p % V) // I) % K``."""
+    import numpy as np
+
+    check_interleave(block_size, shard_count, interleave_size)
+    pos = np.asarray(positions, dtype=np.int64)
+    offset = pos % virtual_block_size(block_size, shard_count)
+    return (offset // interleave_size) % shard_count
+
+
+def local_seq_len(
+    seq_len: int,
+    block_size: int,
+    shard_count: int,
+    interleave_size: int,
+    shard: int,
+) -> int:
+    """Positions ``< seq_len`` that shard ``shard`` stores."""
+    check_interleave(block_size, shard_count, interleave_size)
+    if not 0 <= shard < shard_count:
+        raise DcpGeometryError(f"shard {shard} is outside [0, {shard_count})")
+    if shard_count == 1:
+        return seq_len
+    # With I | B, the owner of p is (p // I) % K: whole rounds of K runs first.
+    run = interleave_size * shard_count
+    full_rounds, rest = divmod(seq_len, run)
+    tail = min(max(rest - shard * interleave_size, 0), interleave_size)
+    return full_rounds * interleave_size + tail
+
+
+def reference_slot_mapping(
+    positions: npt.ArrayLike,
+    block_table_row: npt.ArrayLike,
+    *,
+    block_size: int,
+    shard_count: int,
+    interleave_size: int,
+    shard: int,
+) -> np.ndarray:
+    """Slot of every position on the rank storing ``shard``, or ``PAD_SLOT_ID``.
+
+    ``vb = p // V``, ``o = p % V``; owner ``(o // I) % K``; local offset
+    ``(o // (I*K)) * I + o % I``; slot ``row[vb] * B + local`` where the owner
+    is ``shard``. K = 1 maps every position locally.
+    """
+    import numpy as np
+
+    check_interleave(block_size, shard_count, interleave_size)
+    if not 0 <= shard < shard_count:
+        raise DcpGeometryError(f"shard {shard} is outside [0, {shard_count})")
+    pos = np.asarray(positions, dtype=np.int64)
+    row = np.asarray(block_table_row, dtype=np.int64)
+    virtual = virtual_block_size(block_size, shard_count)
+    column = pos // virtual
+    if pos.size and int(column.max()) >= row.size:
+        raise DcpGeometryError(
+            f"position {int(pos.max())} needs block-table column "
+            f"{int(column.max())}, but the row has {row.size} columns"
+        )
+    offset = pos % virtual
+    owner = (offset // interleave_size) % shard_count
+    local = (offset // (interleave_size * shard_count)) * interleave_size + (
+        offset % interleave_size
+    )
+    slots = row[column] * block_size + local
+    return np.where(owner == shard, slots, PAD_SLOT_ID).astype(np.int64)

@@ -1,0 +1,349 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.kv_cache_interface``: every spec answers its own DCP geometry.
+
+What: adds ``dcp_kv_shard_count`` (keyword-only, default None) to every
+``AttentionSpec`` as a real dataclass field, a ``dcp_shard_count(D)`` method to
+every ``KVCacheSpec`` class and the module function
+``get_kv_cache_dcp_shard_count(spec, D)``; wraps ``merge`` (layers with
+different K never merge), ``UniformTypeKVCacheSpecs.is_uniform_type``,
+``AttentionSpec.max_num_blocks_per_req`` and
+``FullAttentionSpec.max_memory_usage_bytes`` so they use K.
+
+Why: vLLM 0.33.0 only has the boolean ``dcp_sharded`` and derives
+``block_size * D`` from it; partial shard counts cannot be expressed, and
+``merge`` rebuilds specs from an explicit field list that would drop any new
+field.
+
+Remove when: upstream vLLM carries a per-spec shard count through its specs
+(a ``get_kv_cache_dcp_shard_count`` helper and a K-aware ``merge``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import (
+    UpstreamChangedError,
+    UpstreamSymbol,
+    add_attribute,
+    wrap,
+)
+from vllm_dcp_geometry.contract import (
+    DcpGeometryError,
+    TokenLayout,
+    attention_block_table_width,
+    check_dcp_world_size,
+    check_shard_count_value,
+    full_attention_pages_per_request,
+    resolve_shard_count,
+    resolve_uniform_shard_count,
+)
+
+UPSTREAM_MODULE = "vllm.v1.kv_cache_interface"
+PROCESS = "all"
+WHY = (
+    "vLLM 0.33.0 specs carry only the boolean dcp_sharded; partial shard counts "
+    "need a field that survives merge/replace/pickle and K-aware widths."
+)
+REMOVE_WHEN = "upstream specs carry a per-spec DCP shard count"
+
+SHARD_COUNT_FIELD_NAME = "dcp_kv_shard_count"
+
+_M = UPSTREAM_MODULE
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(_M, "KVCacheSpec.dcp_sharded"),
+    UpstreamSymbol(_M, "AttentionSpec.dcp_sharded"),
+    UpstreamSymbol(_M, "AttentionSpec.__init__"),
+    UpstreamSymbol(_M, "AttentionSpec.__eq__", "self, other"),
+    UpstreamSymbol(_M, "AttentionSpec.__repr__", "self"),
+    UpstreamSymbol(
+        _M, "AttentionSpec.max_num_blocks_per_req", "self, vllm_config, max_len"
+    ),
+    UpstreamSymbol(_M, "FullAttentionSpec.max_memory_usage_bytes", "self, vllm_config"),
+    UpstreamSymbol(_M, "KVCacheSpec.merge", "cls, specs"),
+    UpstreamSymbol(_M, "FullAttentionSpec.merge", "cls, specs"),
+    UpstreamSymbol(_M, "MLAAttentionSpec.merge", "cls, specs"),
+    UpstreamSymbol(_M, "RSWASpec.merge", "cls, specs"),
+    UpstreamSymbol(_M, "SlidingWindowMLASpec.merge", "cls, specs"),
+    UpstreamSymbol(_M, "SinkFullAttentionSpec.merge", "cls, specs"),
+    UpstreamSymbol(_M, "UniformTypeKVCacheSpecs.is_uniform_type", "cls, kv_cache_specs"),
+    UpstreamSymbol(_M, "MambaSpec.max_num_blocks_per_req", "self, vllm_config, max_len"),
+    UpstreamSymbol(_M, "HiSparseHotSpec"),
+    UpstreamSymbol(_M, "HiSparseResidentSpec"),
+)
+
+
+@dataclass(frozen=True)
+class _ShardCountFieldSource:
+    # Built by the dataclass machinery so the Field is complete and public-API
+    # made; it is grafted onto AttentionSpec and its subclasses below.
+    dcp_kv_shard_count: int | None = field(default=None, kw_only=True, repr=False)
+
+
+_SHARD_COUNT_FIELD = _ShardCountFieldSource.__dataclass_fields__[
+    SHARD_COUNT_FIELD_NAME
+]
+
+
+def spec_owner_name(spec: Any) -> str:
+    """A readable name for a spec in error messages."""
+    return f"{type(spec).__name__}(block_size={getattr(spec, 'block_size', '?')})"
+
+
+def dcp_kv_shard_count_of(spec: Any) -> int | None:
+    """The explicit partial shard count a spec carries (None if none)."""
+    return getattr(spec, SHARD_COUNT_FIELD_NAME, None)
+
+
+def get_kv_cache_dcp_shard_count(
+    spec: Any, dcp_world_size: int, *, owner: str | None = None
+) -> int:
+    """Token-position shard count K of ``spec`` under DCP world size D.
+
+    Delegates to ``spec.dcp_shard_count``, so a spec class can answer itself.
+    ``owner`` (a layer or group name) is used in error messages.
+    """
+    check_dcp_world_size(dcp_world_size)
+    if dcp_world_size == 1:
+        return 1
+    try:
+        return int(spec.dcp_shard_count(dcp_world_size))
+    except DcpGeometryError as exc:
+        if owner is None or owner in str(exc):
+            raise
+        raise DcpGeometryError(f"{owner}: {exc}") from exc
+
+
+def upstream_shard_count(spec: Any, dcp_world_size: int) -> int:
+    """What vLLM 0.33.0 implies from the boolean flag alone."""
+    return dcp_world_size if spec.dcp_sharded else 1
+
+
+def _unknown_spec_shard_count(self: Any, dcp_world_size: int) -> int:
+    check_dcp_world_size(dcp_world_size)
+    if dcp_world_size == 1:
+        return 1
+    raise DcpGeometryError(
+        f"{type(self).__module__}.{type(self).__qualname__} is a KV-cache spec "
+        "type the DCP geometry contract does not know: subclass AttentionSpec "
+        "or MambaSpec, or define dcp_shard_count(dcp_world_size) on it"
+    )
+
+
+def _attention_shard_count(self: Any, dcp_world_size: int) -> int:
+    layout = TokenLayout.SHARDED if self.dcp_sharded else TokenLayout.REPLICATED
+    return resolve_shard_count(
+        owner=spec_owner_name(self),
+        layout=layout,
+        dcp_world_size=dcp_world_size,
+        dcp_kv_shard_count=dcp_kv_shard_count_of(self),
+    )
+
+
+def _recurrent_shard_count(self: Any, dcp_world_size: int) -> int:
+    return resolve_shard_count(
+        owner=spec_owner_name(self),
+        layout=TokenLayout.RECURRENT,
+        dcp_world_size=dcp_world_size,
+    )
+
+
+def _self_addressed_shard_count(self: Any, dcp_world_size: int) -> int:
+    # HiSparse pages are addressed by the spec itself; vLLM's own flag decides.
+    layout = TokenLayout.SHARDED if self.dcp_sharded else TokenLayout.REPLICATED
+    return resolve_shard_count(
+        owner=spec_owner_name(self), layout=layout, dcp_world_size=dcp_world_size
+    )
+
+
+def _uniform_shard_count(self: Any, dcp_world_size: int) -> int:
+    check_dcp_world_size(dcp_world_size)
+    if dcp_world_size == 1:
+        return 1
+    counts = {
+        name: get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=name)
+        for name, spec in self.kv_cache_specs.items()
+    }
+    return resolve_uniform_shard_count(
+        f"UniformTypeKVCacheSpecs({', '.join(self.kv_cache_specs)})", counts
+    )
+
+
+# Dataclass methods of specs that exist before the patch ----------------------
+
+
+def _make_init(original: Callable[..., None]) -> Callable[..., None]:
+    def __init__(
+        self: Any, *args: Any, dcp_kv_shard_count: int | None = None, **kwargs: Any
+    ) -> None:
+        check_shard_count_value(type(self).__name__, dcp_kv_shard_count)
+        object.__setattr__(self, SHARD_COUNT_FIELD_NAME, dcp_kv_shard_count)
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
+def _make_eq(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def __eq__(self: Any, other: Any) -> Any:
+        result = original(self, other)
+        if result is True:
+            return dcp_kv_shard_count_of(self) == dcp_kv_shard_count_of(other)
+        return result
+
+    return __eq__
+
+
+def _make_repr(original: Callable[[Any], str]) -> Callable[[Any], str]:
+    def __repr__(self: Any) -> str:
+        text = original(self)
+        k = dcp_kv_shard_count_of(self)
+        if k is None or not text.endswith(")"):
+            return text
+        return f"{text[:-1]}, {SHARD_COUNT_FIELD_NAME}={k})"
+
+    return __repr__
+
+
+def _make_merge(original: Callable[..., Any]) -> Callable[..., Any]:
+    def merge(cls: type, specs: list[Any]) -> Any:
+        counts = {dcp_kv_shard_count_of(spec) for spec in specs}
+        if counts <= {None}:
+            return original(cls, specs)
+        if len(counts) > 1:
+            raise DcpGeometryError(
+                f"{cls.__name__}.merge: layers with different dcp_kv_shard_count "
+                f"({sorted(counts, key=str)}) cannot share one KV-cache group"
+            )
+        (count,) = counts
+        bare = [dataclasses.replace(spec, dcp_kv_shard_count=None) for spec in specs]
+        merged = original(cls, bare)
+        return dataclasses.replace(merged, dcp_kv_shard_count=count)
+
+    return merge
+
+
+def _make_is_uniform_type(original: Callable[..., bool]) -> Callable[..., bool]:
+    def is_uniform_type(cls: type, kv_cache_specs: dict[str, Any]) -> bool:
+        counts = {dcp_kv_shard_count_of(spec) for spec in kv_cache_specs.values()}
+        if len(counts) > 1:
+            return False
+        return original(cls, kv_cache_specs)
+
+    return is_uniform_type
+
+
+def _make_attention_width(original: Callable[..., int]) -> Callable[..., int]:
+    def max_num_blocks_per_req(self: Any, vllm_config: Any, max_len: int) -> int:
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        k = get_kv_cache_dcp_shard_count(self, dcp)
+        if k == upstream_shard_count(self, dcp):
+            return original(self, vllm_config, max_len)
+        return attention_block_table_width(max_len, self.block_size, k)
+
+    return max_num_blocks_per_req
+
+
+def _make_full_attention_memory(original: Callable[..., int]) -> Callable[..., int]:
+    def max_memory_usage_bytes(self: Any, vllm_config: Any) -> int:
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        k = get_kv_cache_dcp_shard_count(self, dcp)
+        if k == upstream_shard_count(self, dcp):
+            return original(self, vllm_config)
+        pages = full_attention_pages_per_request(
+            vllm_config.model_config.max_model_len, self.block_size, k
+        )
+        return pages * self.page_size_bytes
+
+    return max_memory_usage_bytes
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    seen: list[type] = []
+    stack = [cls]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        stack.extend(current.__subclasses__())
+    return seen
+
+
+def graft_shard_count_field(cls: type) -> None:
+    """Give an existing dataclass spec class the ``dcp_kv_shard_count`` field.
+
+    Classes defined after the graft inherit the field through the dataclass
+    machinery itself and need nothing here.
+    """
+    fields_map = cls.__dict__.get("__dataclass_fields__")
+    if fields_map is None:
+        raise UpstreamChangedError(
+            f"{cls.__module__}.{cls.__qualname__} is no longer a dataclass"
+        )
+    if SHARD_COUNT_FIELD_NAME in fields_map:
+        return
+    fields_map[SHARD_COUNT_FIELD_NAME] = _SHARD_COUNT_FIELD
+    for name, make in (
+        ("__init__", _make_init),
+        ("__eq__", _make_eq),
+        ("__repr__", _make_repr),
+    ):
+        if name in cls.__dict__:
+            wrap(cls, name, make)
+
+
+def _wrap_merge_of_new_subclasses(cls: type, **kwargs: Any) -> None:
+    # Spec classes defined after the patch (models, other plugins) get the field
+    # from the dataclass machinery, but a merge of their own with an explicit
+    # field list would still drop it.
+    super(_kv_cache_spec_base, cls).__init_subclass__(**kwargs)
+    if "merge" in cls.__dict__:
+        wrap(cls, "merge", _make_merge)
+
+
+_kv_cache_spec_base: type = object
+
+
+def apply(module: ModuleType) -> None:
+    global _kv_cache_spec_base
+    _kv_cache_spec_base = module.KVCacheSpec
+    add_attribute(
+        module.KVCacheSpec,
+        "__init_subclass__",
+        classmethod(_wrap_merge_of_new_subclasses),
+    )
+    attention = module.AttentionSpec
+    add_attribute(attention, SHARD_COUNT_FIELD_NAME, None)
+    for cls in _all_subclasses(attention):
+        graft_shard_count_field(cls)
+
+    add_attribute(module.KVCacheSpec, "dcp_shard_count", _unknown_spec_shard_count)
+    add_attribute(attention, "dcp_shard_count", _attention_shard_count)
+    add_attribute(module.MambaSpec, "dcp_shard_count", _recurrent_shard_count)
+    add_attribute(
+        module.UniformTypeKVCacheSpecs, "dcp_shard_count", _uniform_shard_count
+    )
+    for self_addressed in (module.HiSparseHotSpec, module.HiSparseResidentSpec):
+        add_attribute(self_addressed, "dcp_shard_count", _self_addressed_shard_count)
+
+    for cls in _all_subclasses(module.KVCacheSpec):
+        if "merge" in cls.__dict__:
+            wrap(cls, "merge", _make_merge)
+    wrap(module.UniformTypeKVCacheSpecs, "is_uniform_type", _make_is_uniform_type)
+    wrap(attention, "max_num_blocks_per_req", _make_attention_width)
+    wrap(module.FullAttentionSpec, "max_memory_usage_bytes", _make_full_attention_memory)
+
+    if getattr(module, "get_kv_cache_dcp_shard_count", None) not in (
+        None,
+        get_kv_cache_dcp_shard_count,
+    ):
+        raise UpstreamChangedError(
+            f"{UPSTREAM_MODULE} now defines get_kv_cache_dcp_shard_count itself; "
+            "review vllm-dcp-geometry against this vLLM before running"
+        )
+    module.get_kv_cache_dcp_shard_count = get_kv_cache_dcp_shard_count  # type: ignore[attr-defined]

@@ -1,0 +1,3 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patches for the engine core: KV-cache managers, planning and hashing."""

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM calls ``register()`` once in every process (API server, engine core,
+workers) before KV-cache specs are collected or block tables built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from types import ModuleType
+
+from vllm_dcp_geometry import _patching
+from vllm_dcp_geometry._version import installed_vllm_version, pinned_vllm_version
+from vllm_dcp_geometry.patches import PATCH_MODULES
+
+logger = logging.getLogger("vllm_dcp_geometry")
+
+ALLOW_OTHER_VLLM_ENV = "VLLM_DCP_GEOMETRY_ALLOW_VLLM_VERSION"
+"""Set to the installed vLLM version to run against it anyway (with a warning).
+
+Every patched symbol is still checked, so a moved or changed symbol fails."""
+
+
+class VllmVersionError(RuntimeError):
+    """The installed vLLM is not the release this plugin is written against."""
+
+
+_lock = threading.Lock()
+_installed = False
+_applied: dict[str, str] = {}
+
+
+def check_vllm_version() -> str:
+    """Return the installed vLLM version, refusing any but the pinned one."""
+    pinned = pinned_vllm_version()
+    installed = installed_vllm_version()
+    if installed == pinned:
+        return installed
+    allowed = os.environ.get(ALLOW_OTHER_VLLM_ENV)
+    if installed is not None and allowed == installed:
+        logger.warning(
+            "vllm-dcp-geometry is written for vllm==%s but runs on vllm==%s "
+            "because %s=%s. Every patched symbol is still checked.",
+            pinned,
+            installed,
+            ALLOW_OTHER_VLLM_ENV,
+            allowed,
+        )
+        return installed
+    raise VllmVersionError(
+        f"vllm-dcp-geometry needs vllm=={pinned}, found "
+        f"{installed or 'no vllm'}. Install vllm=={pinned}, or set "
+        f"{ALLOW_OTHER_VLLM_ENV}={installed} to try this vLLM anyway."
+    )
+
+
+def _apply_patch_module(patch: ModuleType, upstream: ModuleType) -> None:
+    for symbol in patch.PATCHED_SYMBOLS:
+        _patching.verify_symbol(symbol, upstream)
+    patch.apply(upstream)
+    _applied[patch.__name__] = upstream.__name__
+    logger.debug("vllm-dcp-geometry patched %s", upstream.__name__)
+
+
+def register() -> None:
+    """Install the DCP geometry contract into vLLM; idempotent per process.
+
+    Each patch applies when its vLLM module is imported (at once if it already
+    is). Raises if vLLM is not the pinned release or a patched symbol moved.
+    """
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        check_vllm_version()
+        patches = [importlib.import_module(name) for name in PATCH_MODULES]
+        for patch in patches:
+            _patching.when_imported(
+                patch.UPSTREAM_MODULE,
+                lambda upstream, patch=patch: _apply_patch_module(patch, upstream),
+            )
+        _installed = True
+
+
+def applied_patches() -> dict[str, str]:
+    """Patch modules applied so far in this process, with their vLLM module."""
+    return dict(_applied)
+
+
+def apply_all_now() -> dict[str, str]:
+    """Register and import every patched vLLM module, applying every patch."""
+    register()
+    for name in PATCH_MODULES:
+        importlib.import_module(importlib.import_module(name).UPSTREAM_MODULE)
+    return applied_patches()
