@@ -13,3 +13,21 @@ order in which patches apply when their upstream modules are already loaded.
 PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.common.kv_cache_interface",
 )
+
+
+def patch_table_markdown() -> str:
+    """The README's table of patched vLLM symbols, generated from the modules."""
+    import importlib
+
+    rows = [
+        "| process | vLLM module | symbols | why | remove when |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name in PATCH_MODULES:
+        patch = importlib.import_module(name)
+        symbols = ", ".join(f"`{s.qualname}`" for s in patch.PATCHED_SYMBOLS)
+        rows.append(
+            f"| {patch.PROCESS} | `{patch.UPSTREAM_MODULE}` | {symbols} | "
+            f"{patch.WHY} | {patch.REMOVE_WHEN} |"
+        )
+    return "\n".join(rows)

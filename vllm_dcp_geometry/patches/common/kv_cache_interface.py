@@ -182,7 +182,10 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
         self: Any, *args: Any, dcp_kv_shard_count: int | None = None, **kwargs: Any
     ) -> None:
         check_shard_count_value(type(self).__name__, dcp_kv_shard_count)
-        object.__setattr__(self, SHARD_COUNT_FIELD_NAME, dcp_kv_shard_count)
+        if dcp_kv_shard_count is not None:
+            # Unset, the class default (None) answers, so a spec without K
+            # pickles byte-for-byte as it does in unpatched vLLM.
+            object.__setattr__(self, SHARD_COUNT_FIELD_NAME, dcp_kv_shard_count)
         original(self, *args, **kwargs)
 
     return __init__

@@ -1,0 +1,274 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The plugin: entry point, version pin, idempotent registration, patch table."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from tests.subprocess_runner import REPO_ROOT, run_python
+from vllm_dcp_geometry import _patching, plugin
+from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol
+from vllm_dcp_geometry._version import pinned_vllm_version
+from vllm_dcp_geometry.patches import PATCH_MODULES, patch_table_markdown
+
+PROCESS_FOLDERS = {"all": "common", "engine_core": "engine_core", "worker": "worker"}
+
+
+def test_import_in_a_bare_interpreter_does_not_import_vllm() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, json, vllm_dcp_geometry, vllm_dcp_geometry.contract;"
+            "print(json.dumps(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('vllm', 'torch'))))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO_ROOT,
+    )
+    assert json.loads(out.stdout) == []
+
+
+def test_entry_point_is_declared_for_vllm() -> None:
+    points = metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in points if ep.value == "vllm_dcp_geometry.plugin:register"]
+    assert [ep.name for ep in ours] == ["dcp_geometry"]
+
+
+def test_loaded_through_vllm_own_plugin_loader() -> None:
+    """Entry point discovered for real by vllm.plugins.load_general_plugins()."""
+    result = run_python(
+        """
+import json, torch
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.v1 import kv_cache_interface as k
+from vllm_dcp_geometry.contract import cdiv
+from tests.spec_catalogue import make_vllm_config
+out = {}
+mamba = k.MambaSpec(block_size=768, shapes=((4, 64),), dtypes=(torch.float32,),
+                    mamba_cache_mode="align", num_speculative_blocks=7)
+out["mamba"] = k.get_kv_cache_dcp_shard_count(mamba, 16)
+full = k.FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=64,
+                           dtype=torch.bfloat16, dcp_kv_shard_count=4)
+out["full"] = k.get_kv_cache_dcp_shard_count(full, 16)
+out["width"] = full.max_num_blocks_per_req(make_vllm_config(16), 1_000_000)
+out["expected_width"] = cdiv(1_000_000, 64 * 4)
+errors = []
+import dataclasses
+for bad in (3, 0, 32):
+    try:
+        k.get_kv_cache_dcp_shard_count(dataclasses.replace(full, dcp_kv_shard_count=bad), 16)
+        errors.append(None)
+    except ValueError as exc:
+        errors.append(str(exc))
+try:
+    k.get_kv_cache_dcp_shard_count(
+        dataclasses.replace(full, dcp_sharded=False), 16)
+    replicated = k.get_kv_cache_dcp_shard_count(
+        dataclasses.replace(full, dcp_sharded=False, dcp_kv_shard_count=4), 16)
+    errors.append(None)
+except ValueError as exc:
+    errors.append(str(exc))
+out["errors"] = errors
+print(json.dumps(out))
+""",
+        patched=False,  # the plugin must come in through vLLM's loader alone
+        env={"VLLM_PLUGINS": "dcp_geometry"},
+    )
+    assert result["mamba"] == 1
+    assert result["full"] == 4
+    assert result["width"] == result["expected_width"] == 3907
+    three, zero, thirty_two, partial_replicated = result["errors"]
+    assert three and "K=3" in three and "D=16" in three
+    assert zero and ">= 1" in zero
+    assert thirty_two and "K=32" in thirty_two
+    assert partial_replicated and "replicated" in partial_replicated
+
+
+def test_vllm_plugins_filter_keeps_the_baseline_unpatched() -> None:
+    result = run_python(
+        """
+import json
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.v1 import kv_cache_interface as k
+print(json.dumps(hasattr(k, "get_kv_cache_dcp_shard_count")))
+""",
+        patched=False,
+    )
+    assert result is False
+
+
+def test_pin_is_declared_once_and_matches_installed_vllm() -> None:
+    pyproject = (Path(REPO_ROOT) / "pyproject.toml").read_text()
+    assert len(re.findall(r'"vllm==', pyproject)) == 1
+    assert pinned_vllm_version() == metadata.version("vllm") == "0.33.0"
+
+
+def test_other_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.delenv(plugin.ALLOW_OTHER_VLLM_ENV, raising=False)
+    with pytest.raises(plugin.VllmVersionError, match=r"needs vllm==0\.33\.0.*0\.34"):
+        plugin.check_vllm_version()
+    monkeypatch.setenv(plugin.ALLOW_OTHER_VLLM_ENV, "0.35.0")
+    with pytest.raises(plugin.VllmVersionError):
+        plugin.check_vllm_version()
+
+
+def test_override_allows_other_version_with_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setenv(plugin.ALLOW_OTHER_VLLM_ENV, "0.34.0")
+    with caplog.at_level(logging.WARNING, logger="vllm_dcp_geometry"):
+        assert plugin.check_vllm_version() == "0.34.0"
+    assert "written for vllm==0.33.0" in caplog.text
+
+
+def test_register_is_idempotent() -> None:
+    from vllm.v1 import kv_cache_interface as k
+
+    before = k.AttentionSpec.__dict__["max_num_blocks_per_req"]
+    plugin.register()
+    plugin.register()
+    plugin.apply_all_now()
+    after = k.AttentionSpec.__dict__["max_num_blocks_per_req"]
+    assert before is after
+    original = _patching.original_of(after)
+    assert not hasattr(original, _patching.ORIGINAL_ATTR)
+    assert original.__module__ == "vllm.v1.kv_cache_interface"
+
+
+def test_patch_applies_whether_vllm_is_imported_before_or_after() -> None:
+    script = """
+import json, sys
+import vllm_dcp_geometry
+from vllm_dcp_geometry._patching import pending_modules
+if IMPORT_FIRST:
+    import vllm.v1.kv_cache_interface
+vllm_dcp_geometry.register()
+waiting = "vllm.v1.kv_cache_interface" in pending_modules()
+import vllm.v1.kv_cache_interface as k
+print(json.dumps([waiting, hasattr(k, "get_kv_cache_dcp_shard_count")]))
+"""
+    for import_first in (False, True):
+        result = run_python(
+            f"IMPORT_FIRST = {import_first}\n" + script,
+            patched=False,
+            cpu_prelude=False,
+        )
+        assert result == [not import_first, True]
+
+
+# The patch table ----------------------------------------------------------------
+
+
+def patch_modules() -> list:
+    return [importlib.import_module(name) for name in PATCH_MODULES]
+
+
+def test_readme_patch_table_is_current() -> None:
+    """README.md carries the generated table; regenerate it with
+    ``python -m vllm_dcp_geometry.patches``."""
+    readme = (Path(REPO_ROOT) / "README.md").read_text()
+    start, end = "<!-- patch-table:start -->\n", "\n<!-- patch-table:end -->"
+    assert start in readme and end in readme
+    table = readme.split(start, 1)[1].split(end, 1)[0]
+    assert table == patch_table_markdown()
+
+
+def test_every_patch_module_documents_itself() -> None:
+    for patch in patch_modules():
+        doc = patch.__doc__ or ""
+        assert patch.UPSTREAM_MODULE in doc or patch.UPSTREAM_MODULE.split(".")[-1] in (
+            doc
+        ), patch.__name__
+        assert "Why:" in doc and "Remove when:" in doc, patch.__name__
+        assert patch.WHY and patch.REMOVE_WHEN
+        assert patch.PATCHED_SYMBOLS, patch.__name__
+        folder = patch.__name__.split(".")[-2]
+        assert folder == PROCESS_FOLDERS[patch.PROCESS], patch.__name__
+        for symbol in patch.PATCHED_SYMBOLS:
+            assert symbol.module == patch.UPSTREAM_MODULE, symbol
+
+
+def test_one_patch_module_per_upstream_symbol() -> None:
+    owners: dict[str, str] = {}
+    for patch in patch_modules():
+        for symbol in patch.PATCHED_SYMBOLS:
+            key = str(symbol)
+            assert key not in owners, f"{key} patched by {owners.get(key)} too"
+            owners[key] = patch.__name__
+
+
+def test_every_patched_symbol_matches_unpatched_vllm() -> None:
+    """Fails loudly if an upstream symbol moved or changed its parameters."""
+    result = run_python(
+        """
+import importlib, json
+from vllm_dcp_geometry._patching import verify_symbol
+from vllm_dcp_geometry.patches import PATCH_MODULES, patch_table_markdown
+problems, checked = [], 0
+for name in PATCH_MODULES:
+    patch = importlib.import_module(name)
+    for symbol in patch.PATCHED_SYMBOLS:
+        try:
+            verify_symbol(symbol)
+            checked += 1
+        except Exception as exc:
+            problems.append(f"{symbol}: {exc}")
+print(json.dumps({"checked": checked, "problems": problems}))
+""",
+        patched=False,
+    )
+    assert result["problems"] == []
+    assert result["checked"] == sum(len(p.PATCHED_SYMBOLS) for p in patch_modules())
+
+
+def test_moved_or_changed_symbols_raise() -> None:
+    module = "vllm.v1.kv_cache_interface"
+    with pytest.raises(UpstreamChangedError, match="no longer exists"):
+        _patching.verify_symbol(UpstreamSymbol(module, "AttentionSpec.gone"))
+    with pytest.raises(UpstreamChangedError, match="parameters changed"):
+        _patching.verify_symbol(
+            UpstreamSymbol(module, "AttentionSpec.max_num_blocks_per_req", "self")
+        )
+    # Inherited attributes do not count: a patch must land where it is defined.
+    with pytest.raises(UpstreamChangedError):
+        _patching.verify_symbol(UpstreamSymbol(module, "MLAAttentionSpec.max_len"))
+
+
+def test_a_changed_symbol_stops_registration() -> None:
+    result = run_python(
+        """
+import json
+import vllm_dcp_geometry.plugin as plugin
+from vllm_dcp_geometry._patching import UpstreamSymbol
+from vllm_dcp_geometry.patches.common import kv_cache_interface as patch
+patch.PATCHED_SYMBOLS = patch.PATCHED_SYMBOLS + (
+    UpstreamSymbol(patch.UPSTREAM_MODULE, "AttentionSpec.renamed_upstream"),)
+try:
+    plugin.register()
+    import vllm.v1.kv_cache_interface
+    plugin.apply_all_now()
+    print(json.dumps("registered"))
+except Exception as exc:
+    print(json.dumps(type(exc).__name__ + ": " + str(exc)))
+""",
+        patched=False,
+    )
+    assert result.startswith("UpstreamChangedError")
+    assert "AttentionSpec.renamed_upstream" in result

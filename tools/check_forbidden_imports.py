@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Forbidden imports and settings in the package.
+
+- No module of ``vllm_dcp_geometry`` imports vLLM or torch at module level:
+  importing the package must stay cheap, and patches apply when vLLM's own
+  modules load, not when ours do. Import them inside functions (or under
+  ``if TYPE_CHECKING:``).
+- Library code never imports the test suite, and never sets the CPU-testing
+  switches (TRITON_INTERPRET, CUDA_VISIBLE_DEVICES, PIN_MEMORY): those belong
+  in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+HEAVY = {"vllm", "torch", "triton"}
+TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
+
+
+def _top_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.extend((node.lineno, a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.append((node.lineno, node.module or ""))
+            elif isinstance(node, ast.If):
+                test = ast.unparse(node.test)
+                if "TYPE_CHECKING" not in test:
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(tree.body)
+    return found
+
+
+def problems(path: Path) -> list[str]:
+    if "vllm_dcp_geometry" not in path.parts:
+        return []
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text, filename=str(path))
+    found = []
+    for lineno, name in _top_level_imports(tree):
+        root = name.split(".")[0]
+        if root in HEAVY:
+            found.append(
+                f"{path}:{lineno}: module-level import of {name}; import it "
+                "inside the function that needs it"
+            )
+        if root == "tests":
+            found.append(f"{path}:{lineno}: library code imports the test suite")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in TEST_ONLY_SWITCHES:
+                found.append(
+                    f"{path}:{node.lineno}: {node.value} is a test-only switch; "
+                    "set it in tests/conftest.py"
+                )
+        if isinstance(node, ast.Attribute) and node.attr in TEST_ONLY_SWITCHES:
+            if isinstance(getattr(node, "ctx", None), ast.Store):
+                found.append(f"{path}:{node.lineno}: sets {node.attr} in library code")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    found = [p for name in argv if name.endswith(".py") for p in problems(Path(name))]
+    for line in found:
+        print(line)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
