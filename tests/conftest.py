@@ -14,9 +14,9 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.subprocess_runner import run_python  # noqa: E402, F401
+from tests.subprocess_runner import run_python  # noqa: F401
 
 
 def _disable_pinned_memory() -> None:

@@ -67,7 +67,7 @@ def test_rule6_rejects_counts_that_do_not_divide(k: int) -> None:
 
 @pytest.mark.parametrize("k", [0, -4, 2.0, True])
 def test_rule6_rejects_non_positive_or_non_integer(k: object) -> None:
-    with pytest.raises(DcpGeometryError, match="layers.0.attn"):
+    with pytest.raises(DcpGeometryError, match=r"layers\.0\.attn"):
         shard_count(SHARDED, 16, k)  # type: ignore[arg-type]
 
 

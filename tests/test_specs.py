@@ -74,8 +74,13 @@ def test_mamba_state_is_one_shard_and_1310_columns() -> None:
 
 @pytest.mark.parametrize(
     ("count", "width", "aligned"),
-    [(1, 15625, 15626), (2, 7813, 7814), (4, 3907, 3908), (8, 1954, 1954)]
-    + [(16, 977, 978)],
+    [
+        (1, 15625, 15626),
+        (2, 7813, 7814),
+        (4, 3907, 3908),
+        (8, 1954, 1954),
+        (16, 977, 978),
+    ],
 )
 def test_partial_shards_at_dcp16(count: int, width: int, aligned: int) -> None:
     from vllm.v1.worker.block_table import get_block_table_width
@@ -154,7 +159,7 @@ def test_unknown_spec_type_is_an_error_not_a_guess() -> None:
 
     odd = OddSpec(block_size=16)
     assert k.get_kv_cache_dcp_shard_count(odd, 1) == 1  # type: ignore[attr-defined]
-    with pytest.raises(DcpGeometryError, match="OddSpec.*does not know"):
+    with pytest.raises(DcpGeometryError, match=r"OddSpec.*does not know"):
         k.get_kv_cache_dcp_shard_count(odd, 16)  # type: ignore[attr-defined]
 
 

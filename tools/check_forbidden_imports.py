@@ -63,15 +63,21 @@ def problems(path: Path) -> list[str]:
         if root == "tests":
             found.append(f"{path}:{lineno}: library code imports the test suite")
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value in TEST_ONLY_SWITCHES:
-                found.append(
-                    f"{path}:{node.lineno}: {node.value} is a test-only switch; "
-                    "set it in tests/conftest.py"
-                )
-        if isinstance(node, ast.Attribute) and node.attr in TEST_ONLY_SWITCHES:
-            if isinstance(getattr(node, "ctx", None), ast.Store):
-                found.append(f"{path}:{node.lineno}: sets {node.attr} in library code")
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value in TEST_ONLY_SWITCHES
+        ):
+            found.append(
+                f"{path}:{node.lineno}: {node.value} is a test-only switch; "
+                "set it in tests/conftest.py"
+            )
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in TEST_ONLY_SWITCHES
+            and isinstance(getattr(node, "ctx", None), ast.Store)
+        ):
+            found.append(f"{path}:{node.lineno}: sets {node.attr} in library code")
     return found
 
 

@@ -13,6 +13,7 @@ never switches itself off.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -166,10 +167,8 @@ def wrap(
     new: Any = make_wrapper(func)
     for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
         if hasattr(func, attr):
-            try:
+            with contextlib.suppress(AttributeError, TypeError):
                 setattr(new, attr, getattr(func, attr))
-            except (AttributeError, TypeError):
-                pass
     mark_wrapper(new, raw)
     if isinstance(raw, classmethod):
         new = classmethod(new)

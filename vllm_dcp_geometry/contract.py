@@ -70,9 +70,7 @@ def check_shard_count_value(owner: str, dcp_kv_shard_count: int | None) -> None:
     """``dcp_kv_shard_count`` is None or a positive integer (checked without D)."""
     if dcp_kv_shard_count is None:
         return
-    if isinstance(dcp_kv_shard_count, bool) or not isinstance(
-        dcp_kv_shard_count, int
-    ):
+    if isinstance(dcp_kv_shard_count, bool) or not isinstance(dcp_kv_shard_count, int):
         raise DcpGeometryError(
             f"{owner}: dcp_kv_shard_count must be an integer or None, "
             f"got {dcp_kv_shard_count!r}"
@@ -175,9 +173,7 @@ def virtual_block_size(block_size: int, shard_count: int) -> int:
     return block_size * shard_count
 
 
-def attention_block_table_width(
-    max_len: int, block_size: int, shard_count: int
-) -> int:
+def attention_block_table_width(max_len: int, block_size: int, shard_count: int) -> int:
     """Columns an attention group needs to address ``max_len`` tokens:
     ``cdiv(L, B * K)``."""
     return cdiv(max_len, virtual_block_size(block_size, shard_count))
@@ -226,9 +222,7 @@ def check_interleave(block_size: int, shard_count: int, interleave_size: int) ->
     """The interleave ``I`` must be positive and divide ``B`` when K > 1, so a
     virtual block holds whole interleave runs of every shard."""
     if interleave_size < 1:
-        raise DcpGeometryError(
-            f"interleave size must be >= 1, got {interleave_size}"
-        )
+        raise DcpGeometryError(f"interleave size must be >= 1, got {interleave_size}")
     if shard_count > 1 and block_size % interleave_size != 0:
         raise DcpGeometryError(
             f"block size B={block_size} must be divisible by the interleave size "

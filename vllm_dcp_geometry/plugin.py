@@ -8,6 +8,7 @@ workers) before KV-cache specs are collected or block tables built.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -81,8 +82,7 @@ def register() -> None:
         patches = [importlib.import_module(name) for name in PATCH_MODULES]
         for patch in patches:
             _patching.when_imported(
-                patch.UPSTREAM_MODULE,
-                lambda upstream, patch=patch: _apply_patch_module(patch, upstream),
+                patch.UPSTREAM_MODULE, functools.partial(_apply_patch_module, patch)
             )
         _installed = True
 

@@ -71,8 +71,12 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(_M, "RSWASpec.merge", "cls, specs"),
     UpstreamSymbol(_M, "SlidingWindowMLASpec.merge", "cls, specs"),
     UpstreamSymbol(_M, "SinkFullAttentionSpec.merge", "cls, specs"),
-    UpstreamSymbol(_M, "UniformTypeKVCacheSpecs.is_uniform_type", "cls, kv_cache_specs"),
-    UpstreamSymbol(_M, "MambaSpec.max_num_blocks_per_req", "self, vllm_config, max_len"),
+    UpstreamSymbol(
+        _M, "UniformTypeKVCacheSpecs.is_uniform_type", "cls, kv_cache_specs"
+    ),
+    UpstreamSymbol(
+        _M, "MambaSpec.max_num_blocks_per_req", "self, vllm_config, max_len"
+    ),
     UpstreamSymbol(_M, "HiSparseHotSpec"),
     UpstreamSymbol(_M, "HiSparseResidentSpec"),
 )
@@ -85,9 +89,7 @@ class _ShardCountFieldSource:
     dcp_kv_shard_count: int | None = field(default=None, kw_only=True, repr=False)
 
 
-_SHARD_COUNT_FIELD = _ShardCountFieldSource.__dataclass_fields__[
-    SHARD_COUNT_FIELD_NAME
-]
+_SHARD_COUNT_FIELD = _ShardCountFieldSource.__dataclass_fields__[SHARD_COUNT_FIELD_NAME]
 
 
 def spec_owner_name(spec: Any) -> str:
@@ -300,25 +302,21 @@ def graft_shard_count_field(cls: type) -> None:
             wrap(cls, name, make)
 
 
-def _wrap_merge_of_new_subclasses(cls: type, **kwargs: Any) -> None:
+def _make_init_subclass(base: type) -> Any:
     # Spec classes defined after the patch (models, other plugins) get the field
     # from the dataclass machinery, but a merge of their own with an explicit
     # field list would still drop it.
-    super(_kv_cache_spec_base, cls).__init_subclass__(**kwargs)
-    if "merge" in cls.__dict__:
-        wrap(cls, "merge", _make_merge)
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]
+        if "merge" in cls.__dict__:
+            wrap(cls, "merge", _make_merge)
 
-
-_kv_cache_spec_base: type = object
+    return classmethod(__init_subclass__)
 
 
 def apply(module: ModuleType) -> None:
-    global _kv_cache_spec_base
-    _kv_cache_spec_base = module.KVCacheSpec
     add_attribute(
-        module.KVCacheSpec,
-        "__init_subclass__",
-        classmethod(_wrap_merge_of_new_subclasses),
+        module.KVCacheSpec, "__init_subclass__", _make_init_subclass(module.KVCacheSpec)
     )
     attention = module.AttentionSpec
     add_attribute(attention, SHARD_COUNT_FIELD_NAME, None)
@@ -339,7 +337,9 @@ def apply(module: ModuleType) -> None:
             wrap(cls, "merge", _make_merge)
     wrap(module.UniformTypeKVCacheSpecs, "is_uniform_type", _make_is_uniform_type)
     wrap(attention, "max_num_blocks_per_req", _make_attention_width)
-    wrap(module.FullAttentionSpec, "max_memory_usage_bytes", _make_full_attention_memory)
+    wrap(
+        module.FullAttentionSpec, "max_memory_usage_bytes", _make_full_attention_memory
+    )
 
     if getattr(module, "get_kv_cache_dcp_shard_count", None) not in (
         None,
