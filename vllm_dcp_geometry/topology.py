@@ -37,27 +37,30 @@ KINDS = ATTENTION_KINDS + RECURRENT_KINDS
 MAMBA_CACHE_MODES = ("none", "align", "all")
 
 # Spec fields a group may set, by kind; anything else is a typo and an error.
-_COMMON_FIELDS = frozenset({"dcp_sharded"})
-_ATTENTION_FIELDS = _COMMON_FIELDS | {
-    "num_kv_heads",
-    "head_size",
-    "head_size_v",
-    "dtype",
-    "dcp_kv_shard_count",
-}
+_ATTENTION_FIELDS = frozenset(
+    {
+        "dcp_sharded",
+        "num_kv_heads",
+        "head_size",
+        "head_size_v",
+        "dtype",
+        "dcp_kv_shard_count",
+    }
+)
 _SPEC_FIELDS: dict[str, frozenset[str]] = {
     "full_attention": _ATTENTION_FIELDS | {"sliding_window"},
     "mla": _ATTENTION_FIELDS | {"cache_dtype_str"},
     "sliding_window": _ATTENTION_FIELDS | {"sliding_window"},
-    "mamba": _COMMON_FIELDS
-    | {
-        "shapes",
-        "dtypes",
-        "mamba_type",
-        "num_speculative_blocks",
-        "num_prefill_checkpoint_blocks",
-        "mamba_cache_mode",
-    },
+    "mamba": frozenset(
+        {
+            "shapes",
+            "dtypes",
+            "mamba_type",
+            "num_speculative_blocks",
+            "num_prefill_checkpoint_blocks",
+            "mamba_cache_mode",
+        }
+    ),
 }
 _REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "full_attention": ("num_kv_heads", "head_size", "dtype"),
@@ -352,7 +355,9 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
     where = f"group {name!r}"
     kind = raw.get("kind")
     if kind not in KINDS:
-        raise TopologyError(f"{where}: 'kind' must be one of {list(KINDS)}, got {kind!r}")
+        raise TopologyError(
+            f"{where}: 'kind' must be one of {list(KINDS)}, got {kind!r}"
+        )
     allowed = _GROUP_KEYS | _SPEC_FIELDS[kind]
     _reject_unknown(raw, allowed, where)
     block_size = _positive_int(raw.get("block_size"), f"{where}: block_size")
@@ -406,7 +411,9 @@ def _check_spec_fields(kind: str, fields_: dict[str, Any], where: str) -> None:
             or not all(
                 isinstance(s, list)
                 and s
-                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in s)
+                and all(
+                    isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in s
+                )
                 for s in shapes
             )
         ):

@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Topologies: built-in profiles, user files, and the errors bad input gets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vllm_dcp_geometry.contract import TokenLayout
+from vllm_dcp_geometry.topology import (
+    DEFAULT_PROFILE,
+    TopologyError,
+    load_profile,
+    load_topology_file,
+    profile_names,
+    topology_from_mapping,
+)
+
+
+def test_builtin_profiles_load_and_include_the_small_ones():
+    names = profile_names()
+    assert DEFAULT_PROFILE in names
+    kinds = {name: {g.kind for g in load_profile(name).groups} for name in names}
+    # A dense GQA model, a Mamba hybrid and a partial-shard example.
+    assert any(k == {"full_attention"} for k in kinds.values())
+    assert any({"mamba", "full_attention"} <= k for k in kinds.values())
+    partial = [
+        name
+        for name in names
+        if any(
+            g.dcp_kv_shard_count
+            not in (None, load_profile(name).decode_context_parallel_size)
+            for g in load_profile(name).groups
+        )
+    ]
+    assert partial
+    topology = load_profile(partial[0])
+    dcp = topology.decode_context_parallel_size
+    assert 4 in {g.shard_count(dcp) for g in topology.groups}
+
+
+def test_default_profile_is_the_17_group_kimi_k3_shape():
+    topology = load_profile(DEFAULT_PROFILE)
+    assert topology.tensor_parallel_size == 16
+    assert topology.decode_context_parallel_size == 16
+    assert topology.max_model_len == 1_000_000
+    assert topology.mamba_cache_mode == "align"
+    assert len(topology.groups) == 17
+    target = [g for g in topology.groups if not g.draft]
+    draft = [g for g in topology.groups if g.draft]
+    assert len(target) == 16 and len(draft) == 1
+    assert sum(len(g.layers) for g in target) == 93
+    assert all(len(g.layers) <= 6 for g in target)
+    mla = [g for g in target if g.kind == "mla"]
+    kda = [g for g in target if g.kind == "mamba"]
+    assert len(mla) == 4 and len(kda) == 12
+    for g in kda:
+        assert g.block_size == 768
+        assert g.spec_fields["num_speculative_blocks"] == 7
+        assert g.layout is TokenLayout.RECURRENT
+        assert g.shard_count(16) == 1
+    assert all(g.shard_count(16) == 16 for g in mla)
+    (d,) = draft
+    assert d.is_attention and d.layout is TokenLayout.REPLICATED
+    assert d.shard_count(16) == 1
+    assert topology.replay_tokens == 1_000_000
+
+
+def test_json_file_round_trips(tmp_path: Path):
+    original = load_profile("partial-shard-tp8-dcp8")
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(original.to_dict()))
+    loaded = load_topology_file(path)
+    assert loaded.to_dict() == original.to_dict()
+    assert loaded.source == str(path)
+
+
+def test_toml_file_with_layer_template(tmp_path: Path):
+    path = tmp_path / "mine.toml"
+    path.write_text(
+        """
+[parallel]
+tensor_parallel_size = 4
+decode_context_parallel_size = 4
+[[groups]]
+name = "a"
+kind = "full_attention"
+layer_template = "model.layers.{}.attn"
+layer_ids = [0, 1, 2]
+block_size = 16
+num_kv_heads = 2
+head_size = 64
+dtype = "float16"
+dcp_kv_shard_count = 2
+"""
+    )
+    topology = load_topology_file(path)
+    assert topology.name == "mine"
+    (group,) = topology.groups
+    assert group.layers == (
+        "model.layers.0.attn",
+        "model.layers.1.attn",
+        "model.layers.2.attn",
+    )
+    assert group.shard_count(4) == 2
+
+
+BASE_GROUP = {
+    "name": "g",
+    "kind": "full_attention",
+    "layers": ["l0"],
+    "block_size": 16,
+    "num_kv_heads": 1,
+    "head_size": 64,
+    "dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"kind": "conv"}, "'kind' must be one of"),
+        ({"colour": "red"}, "unknown key"),
+        ({"block_size": 0}, "block_size must be a positive integer"),
+        ({"dcp_kv_shard_count": 3}, "must divide the DCP world size"),
+        ({"dcp_kv_shard_count": 2, "dcp_sharded": False}, "replicated"),
+        ({"layers": []}, "at least one layer"),
+    ],
+)
+def test_bad_groups_are_rejected_with_the_rule(change, message):
+    group = {**BASE_GROUP, **change}
+    data = {
+        "parallel": {"tensor_parallel_size": 8, "decode_context_parallel_size": 8},
+        "groups": [group],
+    }
+    with pytest.raises(TopologyError, match=message):
+        topology_from_mapping(data, "test")
+
+
+def test_impossible_layouts_are_rejected():
+    with pytest.raises(TopologyError, match="must divide the tensor-parallel"):
+        load_profile(DEFAULT_PROFILE).with_layout(dcp=32)
+    with pytest.raises(TopologyError, match="in both group"):
+        topology_from_mapping(
+            {"groups": [BASE_GROUP, {**BASE_GROUP, "name": "h"}]}, "test"
+        )
+    with pytest.raises(TopologyError, match="interleave"):
+        load_profile("dense-gqa-tp8-dcp8").with_layout(interleave=3)
+
+
+def test_cli_reports_bad_input_with_exit_2(tmp_path: Path, capsys):
+    assert main(["plan", "--profile", "no-such-profile"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "unknown profile 'no-such-profile'" in err and DEFAULT_PROFILE in err
+
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[[groups]\nname = ")
+    assert main(["replay", "--topology", str(broken)]) == EXIT_BAD_INPUT
+    assert "not valid TOML" in capsys.readouterr().err
+
+    wrong_suffix = tmp_path / "t.yaml"
+    wrong_suffix.write_text("groups: []")
+    assert main(["plan", "--topology", str(wrong_suffix)]) == EXIT_BAD_INPUT
+    assert ".toml or .json" in capsys.readouterr().err
+
+    assert main(["plan", "--dcp", "32"]) == EXIT_BAD_INPUT
+    assert "must divide the tensor-parallel size" in capsys.readouterr().err
+
+
+def test_profiles_command_lists_every_profile(capsys):
+    assert main(["profiles", "--json"]) == EXIT_OK
+    listed = json.loads(capsys.readouterr().out)["profiles"]
+    assert [p["name"] for p in listed] == profile_names()
+    assert [p["name"] for p in listed if p["default"]] == [DEFAULT_PROFILE]

@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Real vLLM objects for a topology: specs, sizing config, KV-cache config.
+
+Everything here imports vLLM lazily, so ``import vllm_dcp_geometry.cli`` stays
+cheap. ``patched=True`` callers must have called ``vllm_dcp_geometry.register()``
+first; ``patched=False`` builds what vLLM 0.33.0 itself can express (no
+``dcp_kv_shard_count``), for unpatched baselines in a fresh process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from vllm_dcp_geometry._patching import original_of
+from vllm_dcp_geometry.contract import cdiv
+from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
+
+
+def is_vllm_patched() -> bool:
+    """Whether this process's vLLM specs carry the plugin's contract."""
+    import vllm.v1.kv_cache_interface as kvi
+
+    return hasattr(kvi, "get_kv_cache_dcp_shard_count")
+
+
+def _torch_dtype(name: str, where: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TopologyError(f"{where}: unknown torch dtype {name!r}")
+    return dtype
+
+
+def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
+    """The vLLM ``KVCacheSpec`` of one group.
+
+    Unpatched vLLM cannot express a partial shard count, so ``patched=False``
+    drops ``dcp_kv_shard_count`` and the spec reads as upstream sees it (a
+    sharded spec, K = D).
+    """
+    import vllm.v1.kv_cache_interface as kvi
+
+    where = f"group {group.name!r}"
+    f = group.spec_fields
+    if group.kind == "mamba":
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+        kwargs: dict[str, Any] = {
+            "block_size": group.block_size,
+            "shapes": tuple(tuple(s) for s in f["shapes"]),
+            "dtypes": tuple(_torch_dtype(d, where) for d in f["dtypes"]),
+            "mamba_cache_mode": topology.mamba_cache_mode,
+            "num_speculative_blocks": f.get("num_speculative_blocks", 0),
+            "num_prefill_checkpoint_blocks": f.get("num_prefill_checkpoint_blocks", 0),
+        }
+        if "mamba_type" in f:
+            try:
+                kwargs["mamba_type"] = MambaAttentionBackendEnum[f["mamba_type"]]
+            except KeyError as exc:
+                names = [m.name for m in MambaAttentionBackendEnum]
+                raise TopologyError(
+                    f"{where}: unknown mamba_type {f['mamba_type']!r}; one of {names}"
+                ) from exc
+        return kvi.MambaSpec(**kwargs)
+
+    kwargs = {
+        "block_size": group.block_size,
+        "num_kv_heads": f.get("num_kv_heads", 1),
+        "head_size": f["head_size"],
+        "dtype": _torch_dtype(f["dtype"], where),
+        "dcp_sharded": group.dcp_sharded,
+        "is_draft": group.draft,
+    }
+    if "head_size_v" in f:
+        kwargs["head_size_v"] = f["head_size_v"]
+    if patched and group.dcp_kv_shard_count is not None:
+        kwargs["dcp_kv_shard_count"] = group.dcp_kv_shard_count
+    if group.kind == "mla":
+        cls: Any = kvi.MLAAttentionSpec
+        if "cache_dtype_str" in f:
+            kwargs["cache_dtype_str"] = f["cache_dtype_str"]
+    elif group.kind == "sliding_window":
+        cls = kvi.SlidingWindowSpec
+        kwargs["sliding_window"] = f["sliding_window"]
+    else:
+        cls = kvi.FullAttentionSpec
+        if "sliding_window" in f:
+            kwargs["sliding_window"] = f["sliding_window"]
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        if "dcp_kv_shard_count" in str(exc):
+            raise TopologyError(
+                f"{where}: dcp_kv_shard_count needs the vllm-dcp-geometry plugin "
+                "registered (vllm_dcp_geometry.register())"
+            ) from exc
+        raise TopologyError(f"{where}: cannot build {cls.__name__}: {exc}") from exc
+
+
+@dataclass
+class SizingConfig:
+    """The parts of ``VllmConfig`` that KV-cache sizing reads.
+
+    ``parallel_config`` and ``cache_config`` are vLLM's own (so their
+    validation applies); a full ``VllmConfig`` would need a model and a device.
+    """
+
+    parallel_config: Any
+    cache_config: Any
+    model_config: Any
+    kv_transfer_config: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sizing_config(topology: Topology, *, enable_prefix_caching: bool = False) -> Any:
+    """Real ``ParallelConfig``/``CacheConfig`` for the topology's layout."""
+    from vllm.config import CacheConfig, ParallelConfig
+
+    try:
+        parallel = ParallelConfig(
+            tensor_parallel_size=topology.tensor_parallel_size,
+            decode_context_parallel_size=topology.decode_context_parallel_size,
+            cp_kv_cache_interleave_size=topology.interleave_size,
+        )
+        cache = CacheConfig(
+            block_size=topology.scheduler_cache_block_size,
+            mamba_cache_mode=topology.mamba_cache_mode,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise TopologyError(
+            f"topology {topology.name!r}: vLLM rejects this layout: {exc}"
+        ) from exc
+    return SizingConfig(
+        parallel_config=parallel,
+        cache_config=cache,
+        model_config=SimpleNamespace(max_model_len=topology.max_model_len),
+    )
+
+
+def upstream_method(spec: Any, name: str) -> Any:
+    """``spec.name`` as vLLM 0.33.0 defines it, bound to ``spec``.
+
+    Finds the attribute on the spec's class (or the nearest base) and unwraps
+    any patch, so the caller sees upstream's boolean ``dcp_sharded`` rule.
+    """
+    for klass in type(spec).__mro__:
+        if name in klass.__dict__:
+            return original_of(klass.__dict__[name]).__get__(spec, type(spec))
+    raise AttributeError(f"{type(spec).__name__} has no {name!r}")
+
+
+def upstream_shard_count(spec: Any, dcp_world_size: int) -> int:
+    """K vLLM 0.33.0 implies: D for a sharded spec, else 1."""
+    return dcp_world_size if spec.dcp_sharded else 1
+
+
+def pages_per_request(spec: Any, config: Any, *, upstream: bool = False) -> int:
+    """Pages one max-length request takes from the pool for this group, by
+    vLLM's own rule (``cdiv(max_memory_usage_bytes, page_size_bytes)``)."""
+    usage = (
+        upstream_method(spec, "max_memory_usage_bytes")
+        if upstream
+        else spec.max_memory_usage_bytes
+    )
+    return cdiv(usage(config), spec.page_size_bytes)
+
+
+def build_kv_cache_config(topology: Topology, specs: list[Any], num_blocks: int) -> Any:
+    """A scheduler-side ``KVCacheConfig``: groups and a pool, no tensors."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                layer_names=list(group.layers),
+                kv_cache_spec=spec,
+                is_eagle_group=group.draft,
+            )
+            for group, spec in zip(topology.groups, specs, strict=True)
+        ],
+    )
