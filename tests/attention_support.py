@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Test-only set-up for the attention tests: real vLLM configs, layers and
+builders on CPU, with a stand-in for the DCP process group (none exists on a
+single CPU process) and the Triton interpreter shim vLLM's launcher needs."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import tempfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# A tiny MQA Llama: 16 query heads and 1 KV head, so TP=16 admits every
+# D in {1, 2, 4, 8, 16} (vLLM requires TP > KV heads under DCP).
+TINY_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 128,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+    "rms_norm_eps": 1e-6,
+}
+TENSOR_PARALLEL_SIZE = 16
+HEAD_SIZE = TINY_MODEL_CONFIG["hidden_size"] // TINY_MODEL_CONFIG["num_attention_heads"]
+
+
+@functools.cache
+def tiny_model_dir() -> Path:
+    """A local Hugging Face config directory for the tiny model (no weights)."""
+    path = Path(tempfile.mkdtemp(prefix="vllm_dcp_geometry_tiny_llama_"))
+    (path / "config.json").write_text(json.dumps(TINY_MODEL_CONFIG))
+    return path
+
+
+@pytest.fixture
+def cpu_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's unspecified platform reports device type ''; configs need one."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "device_type", "cpu", raising=False)
+
+
+def make_vllm_config(dcp_world_size: int, interleave_size: int, **parallel: Any) -> Any:
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+
+    model_config = ModelConfig(
+        model=str(tiny_model_dir()),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=4096,
+    )
+    parallel_config = ParallelConfig(
+        tensor_parallel_size=TENSOR_PARALLEL_SIZE,
+        decode_context_parallel_size=dcp_world_size,
+        cp_kv_cache_interleave_size=interleave_size,
+        **parallel,
+    )
+    return VllmConfig(model_config=model_config, parallel_config=parallel_config)
+
+
+def set_dcp_group(monkeypatch: pytest.MonkeyPatch, world_size: int, rank: int) -> None:
+    """Stand in for the DCP process group: vLLM reads only its size and rank
+    here (``get_dcp_world_size_and_rank``, impl ``__new__``)."""
+    from vllm.distributed import parallel_state
+
+    group = None
+    if world_size > 1:
+        group = types.SimpleNamespace(world_size=world_size, rank_in_group=rank)
+    monkeypatch.setattr(parallel_state, "_DCP", group)
+
+
+def make_attention_layer(vllm_config: Any, name: str, backend: Any) -> Any:
+    """A real vLLM ``Attention`` layer registered in the config's forward
+    context, with its impl built as the model would build it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    heads = TINY_MODEL_CONFIG["num_attention_heads"] // TENSOR_PARALLEL_SIZE
+    with set_current_vllm_config(vllm_config):
+        return Attention(
+            heads, HEAD_SIZE, HEAD_SIZE**-0.5, 1, prefix=name, attn_backend=backend
+        )
+
+
+def full_attention_spec(block_size: int, dcp_kv_shard_count: int | None) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    # Unpatched vLLM (subprocess baselines) has no dcp_kv_shard_count field.
+    extra = (
+        {} if dcp_kv_shard_count is None else {"dcp_kv_shard_count": dcp_kv_shard_count}
+    )
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=HEAD_SIZE,
+        dtype=torch.float32,
+        **extra,
+    )
+
+
+def decode_batch(seq_lens: list[int], max_blocks: int) -> Any:
+    """Real ``CommonAttentionMetadata`` for one decode token per request."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    n = len(seq_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=starts,
+        query_start_loc_cpu=starts,
+        seq_lens=seq,
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_table_tensor=torch.zeros(n, max_blocks, dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq.clone(),
+    )
+
+
+def _interpreted_constexprs(self: Any) -> list[int]:
+    import triton.language as tl
+
+    params = inspect.signature(self.fn).parameters.values()
+    return [
+        i
+        for i, p in enumerate(params)
+        if p.annotation is tl.constexpr
+        or (isinstance(p.annotation, str) and p.annotation.endswith("constexpr"))
+    ]
+
+
+@pytest.fixture
+def triton_interpreter_constexprs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """vLLM's kernel launcher reads ``kernel.constexprs``, which Triton's
+    interpreter function object lacks; give it the constexpr indices."""
+    from triton.runtime import interpreter
+
+    if not hasattr(interpreter.InterpretedFunction, "constexprs"):
+        monkeypatch.setattr(
+            interpreter.InterpretedFunction,
+            "constexprs",
+            property(_interpreted_constexprs),
+            raising=False,
+        )
+    yield
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

@@ -1,0 +1,358 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Attention-side DCP geometry of one KV-cache group.
+
+A metadata builder is built per KV-cache group from the group's spec, so it is
+the one place on the worker that knows the group's shard count K. This module
+holds what the attention patches share: the group's geometry (D, r, K, s, q),
+the active-geometry context the builder patches set while upstream code runs,
+and the exact partial-group LSE combine (duplicate replicas masked to -inf).
+
+No vLLM import at module level; the few functions that need vLLM (resolving a
+group from its spec, finding a group's layers) import it when called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_dcp_geometry.contract import (
+    DcpGeometryError,
+    check_interleave,
+    shard_position,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+BOUND_GEOMETRY_ATTR = "_vllm_dcp_geometry_group"
+"""Set on every builder and attention impl bound to a group's geometry."""
+
+
+def describe_group(layer_names: Sequence[str]) -> str:
+    """A readable name for a KV-cache group in error messages."""
+    names = list(layer_names)
+    if not names:
+        return "KV-cache group (no layers)"
+    shown = ", ".join(names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"KV-cache group of layers [{shown}{more}]"
+
+
+@dataclass(frozen=True)
+class GroupAttentionGeometry:
+    """Where DCP rank ``r`` sits for one KV-cache group with K shards.
+
+    Invariants: ``1 <= K <= D``, ``D % K == 0``, ``0 <= r < D``.
+    ``upstream_shard_count`` is what vLLM 0.33.0 derives from the spec's
+    boolean ``dcp_sharded`` alone (D or 1).
+    """
+
+    owner: str
+    dcp_world_size: int
+    dcp_rank: int
+    shard_count: int
+    interleave_size: int
+    upstream_shard_count: int
+
+    def __post_init__(self) -> None:
+        shard_position(self.dcp_rank, self.shard_count, self.dcp_world_size)
+
+    @property
+    def shard(self) -> int:
+        """``s = r % K``: the shard of the group's positions this rank stores."""
+        return self.dcp_rank % self.shard_count
+
+    @property
+    def replica(self) -> int:
+        """``q = r // K``: which of the D/K identical copies of ``s`` this is."""
+        return self.dcp_rank // self.shard_count
+
+    @property
+    def is_replicated(self) -> bool:
+        return self.shard_count == 1
+
+    @property
+    def is_partial(self) -> bool:
+        return 1 < self.shard_count < self.dcp_world_size
+
+    @property
+    def matches_upstream(self) -> bool:
+        """True where vLLM's own per-spec geometry is already the group's."""
+        return self.shard_count == self.upstream_shard_count
+
+    @property
+    def shard_world(self) -> tuple[int, int]:
+        """(world size, rank) of the group's token sharding: (K, s)."""
+        return self.shard_count, self.shard
+
+    def describe(self) -> str:
+        return (
+            f"{self.owner} (K={self.shard_count}, D={self.dcp_world_size}, "
+            f"rank {self.dcp_rank}: shard {self.shard}, replica {self.replica})"
+        )
+
+
+def group_attention_geometry(
+    *,
+    owner: str,
+    dcp_world_size: int,
+    dcp_rank: int,
+    shard_count: int,
+    interleave_size: int,
+    upstream_shard_count: int,
+) -> GroupAttentionGeometry:
+    """Validated geometry of one group (raises ``DcpGeometryError``)."""
+    try:
+        return GroupAttentionGeometry(
+            owner=owner,
+            dcp_world_size=dcp_world_size,
+            dcp_rank=dcp_rank,
+            shard_count=shard_count,
+            interleave_size=interleave_size,
+            upstream_shard_count=upstream_shard_count,
+        )
+    except DcpGeometryError as exc:
+        raise DcpGeometryError(f"{owner}: {exc}") from exc
+
+
+def resolve_group_geometry(
+    kv_cache_spec: Any, layer_names: Sequence[str], vllm_config: Any
+) -> GroupAttentionGeometry | None:
+    """The group's geometry on this rank, or None when DCP is off (D == 1).
+
+    D and r come from vLLM's DCP process group (as every upstream builder and
+    impl takes them); K from the spec through the contract. A partial K with
+    prefill context parallelism is rejected: the contract keeps PCP on
+    upstream behaviour, which knows only K in {1, D}.
+    """
+    from vllm.distributed import parallel_state
+    from vllm.v1.kv_cache_interface import get_kv_cache_dcp_shard_count
+
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.decode_context_parallel_size == 1:
+        return None
+    dcp_world_size, dcp_rank = parallel_state.get_dcp_world_size_and_rank(True)
+    if dcp_world_size == 1:
+        return None
+    owner = describe_group(layer_names)
+    shard_count = get_kv_cache_dcp_shard_count(
+        kv_cache_spec, dcp_world_size, owner=owner
+    )
+    interleave_size = parallel_config.cp_kv_cache_interleave_size
+    geometry = group_attention_geometry(
+        owner=owner,
+        dcp_world_size=dcp_world_size,
+        dcp_rank=dcp_rank,
+        shard_count=shard_count,
+        interleave_size=interleave_size,
+        upstream_shard_count=dcp_world_size if kv_cache_spec.dcp_sharded else 1,
+    )
+    if not geometry.matches_upstream:
+        try:
+            check_interleave(kv_cache_spec.block_size, shard_count, interleave_size)
+        except DcpGeometryError as exc:
+            raise DcpGeometryError(f"{geometry.describe()}: {exc}") from exc
+    if geometry.is_partial and parallel_config.prefill_context_parallel_size > 1:
+        raise DcpGeometryError(
+            f"{geometry.describe()}: a partial DCP shard count cannot be combined "
+            f"with prefill context parallelism (PCP="
+            f"{parallel_config.prefill_context_parallel_size}); use K=1 or K=D"
+        )
+    return geometry
+
+
+def group_layer_impls(
+    vllm_config: Any, layer_names: Sequence[str], geometry: GroupAttentionGeometry
+) -> list[tuple[str, Any]]:
+    """(name, impl) of the group's attention layers.
+
+    A partial group whose layer cannot be found is an error: its impl would
+    keep the D-rank geometry and read a K-sharded cache wrongly.
+    """
+    context = vllm_config.compilation_config.static_forward_context
+    found = []
+    for name in layer_names:
+        impl = getattr(context.get(name), "impl", None)
+        if impl is None:
+            if geometry.is_partial:
+                raise DcpGeometryError(
+                    f"{geometry.describe()}: layer {name} has no attention impl "
+                    "in the forward context, so its DCP combine cannot be bound "
+                    "to the group's shard count"
+                )
+            continue
+        found.append((name, impl))
+    return found
+
+
+def check_rebind(obj: Any, geometry: GroupAttentionGeometry, what: str) -> bool:
+    """True if ``obj`` is already bound to ``geometry``; error if to another."""
+    bound = getattr(obj, BOUND_GEOMETRY_ATTR, None)
+    if bound is None:
+        return False
+    if bound.shard_world != geometry.shard_world or bound.dcp_rank != (
+        geometry.dcp_rank
+    ):
+        raise DcpGeometryError(
+            f"{what} is bound to {bound.describe()} and cannot also serve "
+            f"{geometry.describe()}"
+        )
+    return True
+
+
+def make_impl_local(impl: Any) -> None:
+    """Run a replicated group's impl as plain local attention (no DCP pass).
+
+    ``need_to_return_lse_for_decode`` is left as is: the runner's start-up
+    check reads it for every target layer, and it only matters on DCP paths.
+    Prefill context parallelism keeps upstream behaviour.
+    """
+    if impl.dcp_world_size == 1 or impl.pcp_world_size > 1:
+        return
+    impl.dcp_world_size = 1
+    impl.dcp_rank = 0
+    impl.total_cp_world_size = 1
+    impl.total_cp_rank = 0
+
+
+# Active group while upstream builder code runs --------------------------------
+
+_active_group: contextvars.ContextVar[GroupAttentionGeometry | None] = (
+    contextvars.ContextVar("vllm_dcp_geometry_active_group", default=None)
+)
+
+
+@contextlib.contextmanager
+def active_group_geometry(
+    geometry: GroupAttentionGeometry,
+) -> Iterator[GroupAttentionGeometry]:
+    """Make ``geometry`` visible to the patched module-level helpers of an
+    attention backend for the duration of one upstream builder call."""
+    token = _active_group.set(geometry)
+    try:
+        yield geometry
+    finally:
+        _active_group.reset(token)
+
+
+def current_group_geometry() -> GroupAttentionGeometry | None:
+    return _active_group.get()
+
+
+# Exact combine for partial groups -------------------------------------------
+
+
+def mask_duplicate_replica_lse(lse: torch.Tensor, replica: int) -> torch.Tensor:
+    """LSE to hand to a D-rank combine from replica ``q`` of a partial group.
+
+    Each shard is held by D/K identical replicas; counting all of them scales
+    the combined softmax denominator by D/K (LSE + ln(D/K)). Only replica 0
+    takes part: the others send -inf, which the combine turns into weight 0
+    and an output of exactly 0, so neither NaN nor a duplicate survives.
+    """
+    import torch
+
+    if replica == 0:
+        return lse
+    return torch.full_like(lse, float("-inf"))
+
+
+class ReplicaMaskedCombine:
+    """Wraps a DCP combine (``cp_lse_ag_out_rs`` / ``dcp_a2a_lse_reduce``, the
+    signature ``(out, lse, group, ...)``) so duplicate replicas weigh 0."""
+
+    def __init__(self, combine: Callable[..., Any], replica: int) -> None:
+        if isinstance(combine, ReplicaMaskedCombine):
+            raise DcpGeometryError("a DCP combine is already replica-masked")
+        self.combine = combine
+        self.replica = replica
+
+    def __call__(
+        self, cp_attn_out: Any, cp_attn_lse: Any, cp_group: Any, *args: Any, **kw: Any
+    ) -> Any:
+        lse = mask_duplicate_replica_lse(cp_attn_lse, self.replica)
+        return self.combine(cp_attn_out, lse, cp_group, *args, **kw)
+
+    def __repr__(self) -> str:
+        return f"ReplicaMaskedCombine({self.combine!r}, replica={self.replica})"
+
+
+def mask_combine(combine: Callable[..., Any], replica: int) -> Callable[..., Any]:
+    """``combine`` replica-masked for ``replica`` (idempotent)."""
+    if isinstance(combine, ReplicaMaskedCombine):
+        if combine.replica != replica:
+            raise DcpGeometryError(
+                f"a DCP combine masked for replica {combine.replica} cannot be "
+                f"reused by replica {replica}"
+            )
+        return combine
+    return ReplicaMaskedCombine(combine, replica)
+
+
+# Backends that honour a partial K --------------------------------------------
+
+_partial_shard_builders: set[type] = set()
+
+
+def register_partial_shard_builder(builder_cls: type) -> None:
+    """Declare that this exact builder class (not its subclasses) honours a
+    partial shard count; every other builder rejects one at start-up."""
+    _partial_shard_builders.add(builder_cls)
+
+
+def builder_supports_partial_shards(builder_cls: type) -> bool:
+    return builder_cls in _partial_shard_builders
+
+
+def bind_impl_to_group(
+    impl: Any, geometry: GroupAttentionGeometry, layer_name: str
+) -> None:
+    """Give an attention impl (built with the model, before any spec was
+    known) its group's geometry; idempotent.
+
+    K = D: untouched. K = 1: plain local attention. 1 < K < D: the impl keeps
+    the D-rank query all-gather and combine, and its ``dcp_combine`` is
+    replica-masked so the D-rank combine counts every shard once.
+    """
+    what = f"the attention impl of layer {layer_name}"
+    if check_rebind(impl, geometry, what):
+        return
+    if geometry.is_replicated:
+        make_impl_local(impl)
+    elif geometry.is_partial:
+        if impl.dcp_world_size != geometry.dcp_world_size:
+            raise DcpGeometryError(
+                f"{geometry.describe()}: {what} runs with a DCP world size of "
+                f"{impl.dcp_world_size}, not the group's D"
+            )
+        impl.dcp_combine = mask_combine(impl.dcp_combine, geometry.replica)
+    setattr(impl, BOUND_GEOMETRY_ATTR, geometry)
+
+
+def bind_group_impls(
+    vllm_config: Any, layer_names: Sequence[str], geometry: GroupAttentionGeometry
+) -> None:
+    """Bind every impl of a group with K < D (K = D needs nothing)."""
+    if geometry.shard_count == geometry.dcp_world_size:
+        return
+    for name, impl in group_layer_impls(vllm_config, layer_names, geometry):
+        bind_impl_to_group(impl, geometry, name)
+
+
+def group_local_seq_lens(
+    seq_lens: torch.Tensor, geometry: GroupAttentionGeometry
+) -> torch.Tensor:
+    """Per-request local sequence lengths of this rank for the group: the
+    positions ``< seq_len`` whose owner shard is ``s`` (contract
+    ``local_seq_len``), computed by vLLM's own helper given (K, s)."""
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    shard_count, shard = geometry.shard_world
+    return get_dcp_local_seq_lens(
+        seq_lens, shard_count, shard, geometry.interleave_size
+    )

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.attention.backends.flash_attn``: per-group DCP attention.
+
+What: wraps ``FlashAttentionMetadataBuilder.__init__``. The builder is built
+per KV-cache group from the group's spec, so it resolves the group's K and,
+where K differs from what vLLM derives from ``dcp_sharded``, runs the upstream
+constructor with the module's ``get_dcp_world_size_and_rank`` answering the
+group's shard world ``(K, s = r % K)``. Everything the builder derives from it
+then follows the group: the per-request local context lengths
+(``get_dcp_local_seq_lens(ctx, K, s, I)``, the contract's local sequence
+length), the ``max_dcp_context_kv_len`` bound (``ceil(L / (K*I)) * I``), the
+persistent buffers and the draft-update flag. The one upstream use of the
+builder's world size that means "query heads gathered over the DCP group"
+(the FA3 scheduler-metadata head count ``num_heads_q * dcp_world_size``) must
+stay D, so a partial builder scales ``num_heads_q`` by D/K.
+
+The constructor also binds the group's attention impls (created with the
+model, before any spec existed): K = 1 runs plain local attention (no query
+all-gather, no LSE combine); 1 < K < D keeps the D-rank all-gather and combine
+but masks duplicate replicas (``q = r // K != 0``) to LSE = -inf, so each shard
+is counted once and the combined LSE that is merged with new-token attention
+is exact (see ``attention_geometry.mask_duplicate_replica_lse``).
+
+The global ``dcp_local_seq_lens`` of the runners (V1 ``gpu_model_runner``, V2
+``gpu/cp_utils``/``gpu/attn_utils``) is left untouched: this builder never
+reads it.
+
+Why: vLLM 0.33.0 takes (D, r) or (1, 0) from the boolean ``dcp_sharded``, and
+its impls take the global D; a partial group would read a K-sharded cache with
+D-shard lengths, and a replicated target group would skip its cached context.
+
+Hand-back: D == 1, or K equal to vLLM's own per-spec choice, runs the upstream
+constructor untouched (a replicated group still gets local impls).
+
+Remove when: upstream FlashAttention takes a per-group shard count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.attention_geometry import (
+    BOUND_GEOMETRY_ATTR,
+    active_group_geometry,
+    bind_group_impls,
+    current_group_geometry,
+    register_partial_shard_builder,
+    resolve_group_geometry,
+)
+
+UPSTREAM_MODULE = "vllm.v1.attention.backends.flash_attn"
+PROCESS = "worker"
+WHY = (
+    "FlashAttention builders take DCP (D, r) from the boolean dcp_sharded and "
+    "impls take the global D; partial and replicated groups need (K, r % K), "
+    "local attention for K = 1 and an exact LSE combine for 1 < K < D."
+)
+REMOVE_WHEN = "upstream FlashAttention takes a per-group DCP shard count"
+
+_M = UPSTREAM_MODULE
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(_M, "get_dcp_world_size_and_rank", "enabled="),
+    UpstreamSymbol(
+        _M,
+        "FlashAttentionMetadataBuilder.__init__",
+        "self, kv_cache_spec, layer_names, vllm_config, device",
+    ),
+    # Relied on: the builder reads its geometry and head count from these.
+    UpstreamSymbol(
+        _M,
+        "FlashAttentionMetadataBuilder.build",
+        "self, common_prefix_len, common_attn_metadata, fast_build=",
+    ),
+    UpstreamSymbol(
+        _M,
+        "FlashAttentionMetadataBuilder._get_scheduler_metadata",
+        "self, *, aot_schedule, batch_size, cu_query_lens, max_query_len, "
+        "seqlens, max_seq_len, causal, max_num_splits",
+    ),
+    UpstreamSymbol(_M, "FlashAttentionImpl._forward_with_dcp"),
+)
+
+
+def _make_dcp_world_size_and_rank(
+    original: Callable[..., tuple[int, int]],
+) -> Callable[..., tuple[int, int]]:
+    def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
+        geometry = current_group_geometry()
+        if geometry is None or not enabled:
+            return original(enabled)
+        return geometry.shard_world
+
+    return get_dcp_world_size_and_rank
+
+
+def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
+    def __init__(
+        self: Any,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: Any,
+        device: Any,
+    ) -> None:
+        geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
+        if geometry is None:
+            original(self, kv_cache_spec, layer_names, vllm_config, device)
+            return
+        if geometry.matches_upstream:
+            original(self, kv_cache_spec, layer_names, vllm_config, device)
+        else:
+            with active_group_geometry(geometry):
+                original(self, kv_cache_spec, layer_names, vllm_config, device)
+            if geometry.is_partial:
+                # The DCP context pass attends with the queries of all D ranks.
+                self.num_heads_q *= geometry.dcp_world_size // geometry.shard_count
+        setattr(self, BOUND_GEOMETRY_ATTR, geometry)
+        bind_group_impls(vllm_config, layer_names, geometry)
+
+    return __init__
+
+
+def apply(module: ModuleType) -> None:
+    wrap(module, "get_dcp_world_size_and_rank", _make_dcp_world_size_and_rank)
+    wrap(module.FlashAttentionMetadataBuilder, "__init__", _make_builder_init)
+    register_partial_shard_builder(module.FlashAttentionMetadataBuilder)

@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.attention.backends.flashinfer``: per-group DCP attention.
+
+What: wraps ``FlashInferMetadataBuilder.__init__``, ``.build`` and
+``._get_prefill_wrapper``; ``get_dcp_world_size_and_rank`` and
+``get_dcp_local_seq_lens`` as this module sees them answer the group that is
+being built (outside our builder calls they are upstream's).
+
+- K = 1 on a spec vLLM treats as sharded: the constructor runs with the
+  group's world (1, 0), i.e. vLLM's own replicated builder.
+- 1 < K < D: the builder keeps the D-rank world, because FlashInfer uses its
+  ``dcp_world_size`` as "query heads gathered over the DCP group" when it plans
+  (``num_qo_heads * dcp_world_size``). Only the local lengths follow the
+  group: ``build`` runs with the group active, so its call of
+  ``get_dcp_local_seq_lens(seq, D, r, I)`` answers ``(seq, K, s, I)``, and it
+  is handed a ``CommonAttentionMetadata`` whose ``dcp_local_seq_lens`` (read by
+  the trtllm-gen decode) are the group's, written into a persistent per-builder
+  buffer so FULL CUDA graphs replay the current values. The prefill wrapper's
+  own DCP combine is replica-masked like the impl's.
+
+The constructor binds the group's impls (``attention_geometry``): K = 1 runs
+plain local attention; 1 < K < D masks duplicate replicas to LSE = -inf
+before the D-rank combine, so the combined LSE is exact.
+
+The runners' global ``dcp_local_seq_lens`` are left untouched; a partial
+group's builder replaces them in its own copy of the common metadata.
+
+Why: vLLM 0.33.0 gives every group the global DCP geometry (one global local
+sequence length, D-rank combines).
+
+Hand-back: D == 1, or K equal to vLLM's own per-spec choice, runs upstream
+unchanged (a replicated group still gets local impls).
+
+Remove when: upstream FlashInfer takes a per-group DCP shard count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.attention_geometry import (
+    BOUND_GEOMETRY_ATTR,
+    GroupAttentionGeometry,
+    active_group_geometry,
+    bind_group_impls,
+    current_group_geometry,
+    group_local_seq_lens,
+    mask_combine,
+    register_partial_shard_builder,
+    resolve_group_geometry,
+)
+from vllm_dcp_geometry.contract import DcpGeometryError
+
+UPSTREAM_MODULE = "vllm.v1.attention.backends.flashinfer"
+PROCESS = "worker"
+WHY = (
+    "FlashInfer builders take DCP (D, r) from the boolean dcp_sharded, trtllm "
+    "decode reads the global local sequence lengths and every combine spans "
+    "the D ranks; partial and replicated groups need their own geometry."
+)
+REMOVE_WHEN = "upstream FlashInfer takes a per-group DCP shard count"
+
+LOCAL_SEQ_LENS_BUFFER_ATTR = "_vllm_dcp_geometry_local_seq_lens"
+
+_M = UPSTREAM_MODULE
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(_M, "get_dcp_world_size_and_rank", "enabled="),
+    UpstreamSymbol(
+        _M,
+        "get_dcp_local_seq_lens",
+        "seq_lens, dcp_size=, dcp_rank=, cp_kv_cache_interleave_size=",
+    ),
+    UpstreamSymbol(
+        _M,
+        "FlashInferMetadataBuilder.__init__",
+        "self, kv_cache_spec, layer_names, vllm_config, device",
+    ),
+    UpstreamSymbol(
+        _M,
+        "FlashInferMetadataBuilder.build",
+        "self, common_prefix_len, common_attn_metadata, fast_build=",
+    ),
+    UpstreamSymbol(
+        _M, "FlashInferMetadataBuilder._get_prefill_wrapper", "self, causal="
+    ),
+    # Relied on: the prefill wrapper keeps its combine in ``_dcp_combine``.
+    UpstreamSymbol(
+        _M,
+        "BatchDCPPrefillWrapper.__init__",
+        "self, kv_layout, workspace_buffer=, dcp_a2a=, use_trtllm_context=",
+    ),
+)
+
+
+def _make_dcp_world_size_and_rank(
+    original: Callable[..., tuple[int, int]],
+) -> Callable[..., tuple[int, int]]:
+    def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
+        geometry = current_group_geometry()
+        if geometry is None or not enabled or not geometry.is_replicated:
+            return original(enabled)
+        return geometry.shard_world
+
+    return get_dcp_world_size_and_rank
+
+
+def _make_local_seq_lens(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_dcp_local_seq_lens(
+        seq_lens: Any,
+        dcp_size: int = 1,
+        dcp_rank: Any = None,
+        cp_kv_cache_interleave_size: int = 1,
+    ) -> Any:
+        geometry = current_group_geometry()
+        if (
+            geometry is None
+            or not geometry.is_partial
+            or dcp_size != geometry.dcp_world_size
+        ):
+            return original(seq_lens, dcp_size, dcp_rank, cp_kv_cache_interleave_size)
+        if (
+            not isinstance(dcp_rank, int)
+            or dcp_rank != geometry.dcp_rank
+            or cp_kv_cache_interleave_size != geometry.interleave_size
+        ):
+            raise DcpGeometryError(
+                f"{geometry.describe()}: FlashInfer asked for D-rank local lengths "
+                f"(rank {dcp_rank!r}, interleave {cp_kv_cache_interleave_size}) "
+                "that this group's geometry cannot answer"
+            )
+        return group_local_seq_lens(seq_lens, geometry)
+
+    return get_dcp_local_seq_lens
+
+
+def _partial_geometry(builder: Any) -> GroupAttentionGeometry | None:
+    geometry = getattr(builder, BOUND_GEOMETRY_ATTR, None)
+    if geometry is None or not geometry.is_partial:
+        return None
+    return geometry
+
+
+def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
+    def __init__(
+        self: Any,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: Any,
+        device: Any,
+    ) -> None:
+        geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
+        if geometry is None:
+            original(self, kv_cache_spec, layer_names, vllm_config, device)
+            return
+        if geometry.is_replicated and not geometry.matches_upstream:
+            with active_group_geometry(geometry):
+                original(self, kv_cache_spec, layer_names, vllm_config, device)
+        else:
+            original(self, kv_cache_spec, layer_names, vllm_config, device)
+        setattr(self, BOUND_GEOMETRY_ATTR, geometry)
+        if geometry.is_partial:
+            import torch
+
+            setattr(
+                self,
+                LOCAL_SEQ_LENS_BUFFER_ATTR,
+                torch.zeros(
+                    vllm_config.scheduler_config.max_num_seqs,
+                    dtype=torch.int32,
+                    device=device,
+                ),
+            )
+        bind_group_impls(vllm_config, layer_names, geometry)
+
+    return __init__
+
+
+def with_group_local_seq_lens(
+    builder: Any, common_attn_metadata: Any, geometry: GroupAttentionGeometry
+) -> Any:
+    """A copy of the common metadata whose DCP local lengths are the group's,
+    held in the builder's persistent buffer (rows past the batch read 0)."""
+    buffer = getattr(builder, LOCAL_SEQ_LENS_BUFFER_ATTR)
+    seq_lens = common_attn_metadata.seq_lens
+    num_rows = seq_lens.shape[0]
+    buffer[:num_rows].copy_(group_local_seq_lens(seq_lens, geometry))
+    buffer[num_rows:].zero_()
+    # Only PCP fills this bound, and PCP never runs a partial group; derive it
+    # anyway where given (the local length is monotonic in the length).
+    upper_bound = None
+    seq_upper_bound = common_attn_metadata.seq_lens_cpu_upper_bound
+    if (
+        common_attn_metadata.dcp_local_seq_lens_cpu_upper_bound is not None
+        and seq_upper_bound is not None
+    ):
+        upper_bound = group_local_seq_lens(seq_upper_bound, geometry)
+    return dataclasses.replace(
+        common_attn_metadata,
+        dcp_local_seq_lens=buffer[:num_rows],
+        dcp_local_seq_lens_cpu_upper_bound=upper_bound,
+    )
+
+
+def _make_build(original: Callable[..., Any]) -> Callable[..., Any]:
+    def build(
+        self: Any,
+        common_prefix_len: int,
+        common_attn_metadata: Any,
+        fast_build: bool = False,
+    ) -> Any:
+        geometry = _partial_geometry(self)
+        if geometry is None:
+            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        group_metadata = with_group_local_seq_lens(self, common_attn_metadata, geometry)
+        with active_group_geometry(geometry):
+            return original(self, common_prefix_len, group_metadata, fast_build)
+
+    return build
+
+
+def _make_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _get_prefill_wrapper(self: Any, causal: bool = True) -> Any:
+        wrapper = original(self, causal)
+        geometry = _partial_geometry(self)
+        if geometry is not None and hasattr(wrapper, "_dcp_combine"):
+            wrapper._dcp_combine = mask_combine(wrapper._dcp_combine, geometry.replica)
+        return wrapper
+
+    return _get_prefill_wrapper
+
+
+def apply(module: ModuleType) -> None:
+    wrap(module, "get_dcp_world_size_and_rank", _make_dcp_world_size_and_rank)
+    wrap(module, "get_dcp_local_seq_lens", _make_local_seq_lens)
+    builder = module.FlashInferMetadataBuilder
+    wrap(builder, "__init__", _make_builder_init)
+    wrap(builder, "build", _make_build)
+    wrap(builder, "_get_prefill_wrapper", _make_get_prefill_wrapper)
+    register_partial_shard_builder(builder)
