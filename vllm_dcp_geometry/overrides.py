@@ -1,0 +1,386 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Operator overrides of per-layer DCP geometry, from ``--additional-config``.
+
+``--additional-config '{"dcp_geometry": {"layers": {GLOB: VALUE}}}'`` where
+``GLOB`` is an ``fnmatch`` pattern over layer names (case-sensitive,
+``fnmatch.fnmatchcase``) and ``VALUE`` is an integer K, ``"sharded"`` (K = D)
+or ``"replicated"`` (K = 1).
+
+Rules, checked at start-up in every worker when it collects its KV-cache
+specs (so every worker applies the same overrides the same way):
+
+- every pattern must match at least one layer (with pipeline parallelism a
+  worker only sees its own stage, so the per-worker check is skipped there and
+  the engine core checks the union of all workers' layers instead);
+- a layer matched by several patterns must get the same value from all of
+  them, otherwise the overrides conflict and nothing is guessed;
+- K must divide D (``1 <= K <= D``, ``D % K == 0``);
+- recurrent state (Mamba) is never token-sharded: only ``"replicated"`` / 1 is
+  accepted there, and it changes nothing;
+- a partial K (``1 < K < D``) needs plain full attention: MLA (workspaces sized
+  from D), sliding-window and other attention kinds reject it, as does
+  prefill context parallelism > 1;
+- K > 1 on attention that is not full attention is rejected (vLLM only shards
+  full attention under DCP);
+- at D = 1 overrides are validated and change nothing (every geometry is K = 1
+  there, and DCP1 stays byte-identical to upstream).
+
+The result is written in vLLM's own terms: K = 1 becomes ``dcp_sharded=False``
+and K = D becomes ``dcp_sharded=True`` with no explicit count, so upstream code
+paths keep handling the geometries they already know; only 1 < K < D sets
+``dcp_kv_shard_count``.
+
+This module is pure Python; vLLM is imported only inside
+``apply_to_kv_cache_specs``.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_dcp_geometry.contract import (
+    DcpGeometryError,
+    TokenLayout,
+    check_dcp_world_size,
+    resolve_shard_count,
+)
+
+CONFIG_KEY = "dcp_geometry"
+"""Key of this plugin's section in ``VllmConfig.additional_config``."""
+
+LAYERS_KEY = "layers"
+
+SHARDED = "sharded"
+REPLICATED = "replicated"
+
+OverrideValue = int | str
+
+
+class LayerKind(str, enum.Enum):
+    """What an override may do to a layer, decided by its spec type."""
+
+    FULL_ATTENTION = "full_attention"
+    """Plain full attention: any K dividing D."""
+
+    MLA = "mla"
+    """MLA full attention: sharded or replicated, never partial."""
+
+    OTHER_ATTENTION = "other_attention"
+    """Sliding window, chunked local, cross attention...: replicated only."""
+
+    RECURRENT = "recurrent"
+    """Mamba-like state: never token-sharded; replicated is a no-op."""
+
+    UNSUPPORTED = "unsupported"
+    """A spec type overrides cannot change."""
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """One ``pattern: value`` entry of the operator's overrides."""
+
+    pattern: str
+    value: OverrideValue
+
+    def describe(self) -> str:
+        return f"{self.pattern!r}: {self.value!r}"
+
+
+@dataclass(frozen=True)
+class SpecGeometry:
+    """The DCP fields an override writes onto an attention spec."""
+
+    dcp_sharded: bool
+    dcp_kv_shard_count: int | None
+
+
+def _check_value(pattern: str, value: Any) -> OverrideValue:
+    if isinstance(value, bool):
+        raise DcpGeometryError(
+            f"dcp_geometry override {pattern!r}: value must be an integer K, "
+            f"{SHARDED!r} or {REPLICATED!r}, got {value!r}"
+        )
+    if isinstance(value, int):
+        if value < 1:
+            raise DcpGeometryError(
+                f"dcp_geometry override {pattern!r}: shard count K must be >= 1, "
+                f"got {value}"
+            )
+        return value
+    if value in (SHARDED, REPLICATED):
+        return value
+    hint = ""
+    if isinstance(value, str) and value.strip().isdigit():
+        hint = f" (write the integer {int(value)} without quotes)"
+    raise DcpGeometryError(
+        f"dcp_geometry override {pattern!r}: value must be an integer K, "
+        f"{SHARDED!r} or {REPLICATED!r}, got {value!r}{hint}"
+    )
+
+
+def parse_overrides(additional_config: Any) -> tuple[LayerOverride, ...]:
+    """The layer overrides in ``additional_config`` (empty if none).
+
+    ``additional_config`` is ``VllmConfig.additional_config``: a dict, or an
+    object vLLM hashes itself (which cannot carry this section).
+    """
+    if not isinstance(additional_config, Mapping):
+        return ()
+    section = additional_config.get(CONFIG_KEY)
+    if section is None:
+        return ()
+    if not isinstance(section, Mapping):
+        raise DcpGeometryError(
+            f"additional_config[{CONFIG_KEY!r}] must be a mapping like "
+            f'{{"{LAYERS_KEY}": {{"model.layers.3.attn": 4}}}}, got {section!r}'
+        )
+    unknown = sorted(str(key) for key in section if key != LAYERS_KEY)
+    if unknown:
+        raise DcpGeometryError(
+            f"additional_config[{CONFIG_KEY!r}] has unknown keys {unknown}; "
+            f"the only key is {LAYERS_KEY!r}"
+        )
+    layers = section.get(LAYERS_KEY, {})
+    if not isinstance(layers, Mapping):
+        raise DcpGeometryError(
+            f"additional_config[{CONFIG_KEY!r}][{LAYERS_KEY!r}] must map layer "
+            f"name patterns to a shard count, got {layers!r}"
+        )
+    overrides = []
+    for pattern, value in layers.items():
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise DcpGeometryError(
+                f"dcp_geometry override patterns must be non-empty strings, "
+                f"got {pattern!r}"
+            )
+        overrides.append(LayerOverride(pattern, _check_value(pattern, value)))
+    return tuple(overrides)
+
+
+def match_layers(
+    overrides: Iterable[LayerOverride],
+    layer_names: Iterable[str],
+    *,
+    require_every_pattern: bool = True,
+) -> dict[str, LayerOverride]:
+    """The override each layer gets (layers no pattern matches are absent).
+
+    A layer matched by patterns with different values is an error; so is a
+    pattern that matches no layer when ``require_every_pattern``.
+    """
+    overrides = tuple(overrides)
+    names = sorted(layer_names)
+    chosen: dict[str, LayerOverride] = {}
+    for override in overrides:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, override.pattern)]
+        if not matched and require_every_pattern:
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise DcpGeometryError(
+                f"dcp_geometry override {override.describe()} matches no layer "
+                f"with a KV cache (layers: {shown or 'none'})"
+            )
+        for name in matched:
+            previous = chosen.get(name)
+            if previous is not None and previous.value != override.value:
+                raise DcpGeometryError(
+                    f"layer {name!r}: dcp_geometry overrides conflict: "
+                    f"{previous.describe()} and {override.describe()} both match; "
+                    "make the patterns disjoint or give them the same value"
+                )
+            chosen.setdefault(name, override)
+    return chosen
+
+
+def override_shard_count(
+    layer_name: str, override: LayerOverride, dcp_world_size: int
+) -> int:
+    """K an override asks for under DCP world size D (validated)."""
+    check_dcp_world_size(dcp_world_size)
+    owner = f"layer {layer_name!r} (dcp_geometry override {override.describe()})"
+    if override.value == SHARDED:
+        return dcp_world_size
+    if override.value == REPLICATED:
+        return 1
+    assert isinstance(override.value, int)
+    if dcp_world_size == 1:
+        if override.value != 1:
+            raise DcpGeometryError(
+                f"{owner}: dcp_kv_shard_count K={override.value} must divide the "
+                f"DCP world size D=1 (1 <= K <= D, D % K == 0)"
+            )
+        return 1
+    return resolve_shard_count(
+        owner=owner,
+        layout=TokenLayout.SHARDED,
+        dcp_world_size=dcp_world_size,
+        dcp_kv_shard_count=override.value,
+    )
+
+
+def target_geometry(
+    layer_name: str,
+    override: LayerOverride,
+    kind: LayerKind,
+    *,
+    dcp_world_size: int,
+    pcp_world_size: int = 1,
+) -> SpecGeometry | None:
+    """The DCP fields a layer gets from ``override`` (None: leave it as is).
+
+    Raises ``DcpGeometryError`` naming the layer for any rule the module
+    docstring lists.
+    """
+    k = override_shard_count(layer_name, override, dcp_world_size)
+    owner = f"layer {layer_name!r} (dcp_geometry override {override.describe()})"
+    if kind is LayerKind.UNSUPPORTED:
+        raise DcpGeometryError(
+            f"{owner}: its KV-cache spec type has no DCP geometry an override "
+            "can set (only attention and Mamba layers can be overridden)"
+        )
+    if kind is LayerKind.RECURRENT:
+        if override.value == SHARDED or k != 1:
+            raise DcpGeometryError(
+                f"{owner}: recurrent (Mamba) state is indexed by global position "
+                "and is never token-sharded; only 'replicated' (K=1) applies"
+            )
+        return None
+    partial = 1 < k < dcp_world_size
+    if kind is LayerKind.OTHER_ATTENTION and k > 1:
+        raise DcpGeometryError(
+            f"{owner}: only full attention can be token-sharded under DCP "
+            f"(K={k}, D={dcp_world_size}); use 'replicated' for this layer"
+        )
+    if partial and kind is LayerKind.MLA:
+        raise DcpGeometryError(
+            f"{owner}: MLA attention cannot be partially sharded (K={k}, "
+            f"D={dcp_world_size}): its DCP workspaces and combine are sized from "
+            "D; use 'sharded' or 'replicated'"
+        )
+    if partial and pcp_world_size > 1:
+        raise DcpGeometryError(
+            f"{owner}: a partial shard count K={k} (D={dcp_world_size}) cannot be "
+            f"combined with prefill context parallelism (PCP={pcp_world_size})"
+        )
+    if dcp_world_size == 1:
+        return None
+    if k == 1:
+        return SpecGeometry(dcp_sharded=False, dcp_kv_shard_count=None)
+    if k == dcp_world_size:
+        return SpecGeometry(dcp_sharded=True, dcp_kv_shard_count=None)
+    return SpecGeometry(dcp_sharded=True, dcp_kv_shard_count=k)
+
+
+# Application to vLLM specs (vLLM imported lazily) ----------------------------
+
+
+def layer_kind(spec: Any) -> LayerKind:
+    """Classify a vLLM KV-cache spec for override rules."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+    )
+
+    if isinstance(spec, MambaSpec):
+        return LayerKind.RECURRENT
+    if isinstance(spec, MLAAttentionSpec):
+        return LayerKind.MLA
+    if isinstance(spec, FullAttentionSpec):
+        return LayerKind.FULL_ATTENTION
+    if isinstance(spec, AttentionSpec):
+        return LayerKind.OTHER_ATTENTION
+    return LayerKind.UNSUPPORTED
+
+
+def apply_to_kv_cache_specs(
+    kv_cache_spec: dict[str, Any], vllm_config: Any
+) -> dict[str, Any]:
+    """The worker's layer specs with the operator's overrides applied.
+
+    Returns ``kv_cache_spec`` itself when there are no overrides, otherwise a
+    new dict; the input is never modified.
+    """
+    overrides = parse_overrides(getattr(vllm_config, "additional_config", None))
+    if not overrides:
+        return kv_cache_spec
+    import dataclasses
+
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    # A pipeline stage only holds its own layers; the engine core checks the
+    # union of every worker's layers instead.
+    stage_holds_all_layers = getattr(parallel, "pipeline_parallel_size", 1) == 1
+    chosen = match_layers(
+        overrides, kv_cache_spec, require_every_pattern=stage_holds_all_layers
+    )
+    result = dict(kv_cache_spec)
+    for name, override in chosen.items():
+        spec = kv_cache_spec[name]
+        geometry = target_geometry(
+            name,
+            override,
+            layer_kind(spec),
+            dcp_world_size=dcp,
+            pcp_world_size=pcp,
+        )
+        if geometry is None:
+            continue
+        result[name] = dataclasses.replace(
+            spec,
+            dcp_sharded=geometry.dcp_sharded,
+            dcp_kv_shard_count=geometry.dcp_kv_shard_count,
+        )
+    return result
+
+
+def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -> None:
+    """Engine-core check that every worker applied the overrides.
+
+    Every pattern must match a layer of some worker, and every matched layer
+    must carry the geometry its override gives: a worker that did not load the
+    plugin (or applied different overrides) fails here instead of silently
+    running another geometry.
+    """
+    overrides = parse_overrides(getattr(vllm_config, "additional_config", None))
+    if not overrides:
+        return
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    union: dict[str, list[Any]] = {}
+    for specs in worker_specs:
+        for name, spec in specs.items():
+            union.setdefault(name, []).append(spec)
+    chosen = match_layers(overrides, union)
+    for name, override in chosen.items():
+        for spec in union[name]:
+            geometry = target_geometry(
+                name,
+                override,
+                layer_kind(spec),
+                dcp_world_size=dcp,
+                pcp_world_size=pcp,
+            )
+            if geometry is None:
+                continue
+            actual = SpecGeometry(
+                dcp_sharded=bool(spec.dcp_sharded),
+                dcp_kv_shard_count=getattr(spec, "dcp_kv_shard_count", None),
+            )
+            if actual != geometry:
+                raise DcpGeometryError(
+                    f"layer {name!r}: a worker reported dcp_sharded="
+                    f"{actual.dcp_sharded}, dcp_kv_shard_count="
+                    f"{actual.dcp_kv_shard_count}, but dcp_geometry override "
+                    f"{override.describe()} gives dcp_sharded="
+                    f"{geometry.dcp_sharded}, dcp_kv_shard_count="
+                    f"{geometry.dcp_kv_shard_count}: is the vllm-dcp-geometry "
+                    "plugin loaded in every worker?"
+                )

@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.benchmarks.forward.batch``: the forward benchmark's block
+counts ask the spec.
+
+What: replaces ``kv_block_size(spec, dcp_size)`` - an inline copy of
+``block_size * (D if dcp_sharded else 1)`` that ``_num_blocks`` and
+``build_batch`` use to size each request's synthetic block table - with
+``B * K``; where K equals vLLM's value the original runs. Importers holding
+it by name are rebound. (Named ``forward_batch`` because ``batch`` alone says
+nothing; filed under the engine core because it stands in for the
+scheduler's block allocation.)
+
+Why: benchmarking a topology with a partial group would otherwise hand the
+model runner too few blocks for that group.
+
+Remove when: vLLM's forward benchmark reads a per-spec DCP shard count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import (
+    UpstreamSymbol,
+    lookup,
+    rebind_module_references,
+    wrap,
+)
+from vllm_dcp_geometry.contract import virtual_block_size
+from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+    get_kv_cache_dcp_shard_count,
+    upstream_shard_count,
+)
+
+UPSTREAM_MODULE = "vllm.benchmarks.forward.batch"
+PROCESS = "engine_core"
+WHY = "the forward benchmark restates block_size * D from the boolean dcp_sharded"
+REMOVE_WHEN = "vLLM's forward benchmark reads a per-spec DCP shard count"
+
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(UPSTREAM_MODULE, "kv_block_size", "spec, dcp_size"),
+    # Relied on: it calls the module's kv_block_size.
+    UpstreamSymbol(UPSTREAM_MODULE, "_num_blocks", "spec, computed, kv_len, dcp_size"),
+)
+
+
+def _make_kv_block_size(
+    original: Callable[[Any, int], int],
+) -> Callable[[Any, int], int]:
+    def kv_block_size(spec: Any, dcp_size: int) -> int:
+        k = get_kv_cache_dcp_shard_count(spec, dcp_size)
+        if k == upstream_shard_count(spec, dcp_size):
+            return original(spec, dcp_size)
+        return virtual_block_size(spec.block_size, k)
+
+    return kv_block_size
+
+
+def apply(module: ModuleType) -> None:
+    _, _, original = lookup(module, "kv_block_size")
+    wrap(module, "kv_block_size", _make_kv_block_size)
+    rebind_module_references(original, module.kv_block_size)

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.core.kv_cache_coordinator``: admit partial full-attention
+groups, reject what vLLM cannot run with a clear error.
+
+What: wraps ``KVCacheCoordinator.__init__`` (every coordinator calls it) to
+check each group whose shard count K differs from vLLM's flag-derived value
+before any manager is built: only plain full-attention groups (the kind the
+hybrid coordinator admits as DCP-sharded, ~677) may carry one; a partial K
+with PCP > 1 is rejected. The coordinator's later reads of the managers'
+``block_size``/``dcp_world_size`` (``group_block_sizes`` ~182, the unitary
+coordinator ~568, hit lookups ~856 and ~980) follow K through the
+single-type manager patch. Groups vLLM already understands go to the original
+unchanged, including its own assertions.
+
+Why: vLLM's admission check reads the boolean ``dcp_sharded``; other kinds
+(sliding window, chunked local, Mamba) assert ``dcp_world_size == 1`` only
+when the first request is looked up, and a non-full-attention spec flagged
+sharded with K = 1 would trip an assertion without a useful message.
+
+Remove when: vLLM's coordinators validate per-spec DCP shard counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+    get_kv_cache_dcp_shard_count,
+    upstream_shard_count,
+)
+from vllm_dcp_geometry.patches.engine_core.kv_cache_utils import group_owner
+
+UPSTREAM_MODULE = "vllm.v1.core.kv_cache_coordinator"
+PROCESS = "engine_core"
+WHY = "admission of DCP groups is decided from the boolean dcp_sharded"
+REMOVE_WHEN = "vLLM coordinators validate per-spec DCP shard counts"
+
+_INIT_PARAMETERS = (
+    "self, kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, "
+    "enable_caching, enable_kv_cache_events, dcp_world_size, pcp_world_size, "
+    "scheduler_block_size, hash_block_size, metrics_collector=, "
+    "num_prefill_lookahead=, num_hash_lookahead_tokens="
+)
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(UPSTREAM_MODULE, "KVCacheCoordinator.__init__", _INIT_PARAMETERS),
+    # Relied on: its DCP admission check is left to run for upstream geometry.
+    UpstreamSymbol(UPSTREAM_MODULE, "HybridKVCacheCoordinator.__init__"),
+)
+
+
+def check_groups_admissible(
+    groups: Any, dcp_world_size: int, pcp_world_size: int
+) -> None:
+    """Reject groups with a non-upstream K that vLLM's managers cannot run."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        owner = group_owner(index, group)
+        k = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
+        if k == upstream_shard_count(spec, dcp_world_size):
+            continue
+        layers = (
+            list(spec.kv_cache_specs.values())
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else [spec]
+        )
+        for layer in layers:
+            if not isinstance(layer, FullAttentionSpec):
+                what = (
+                    f"a partial shard count K={k}"
+                    if k > 1
+                    else "K=1 while flagged dcp_sharded=True"
+                )
+                raise DcpGeometryError(
+                    f"{owner}: {type(layer).__name__} with {what} "
+                    f"(D={dcp_world_size}) cannot be scheduled: vLLM's managers "
+                    "only split full attention over DCP ranks; declare the "
+                    "layer replicated (dcp_sharded=False) or use full attention"
+                )
+        if pcp_world_size > 1 and k > 1:
+            raise DcpGeometryError(
+                f"{owner}: a partial shard count K={k} (D={dcp_world_size}) "
+                f"cannot be combined with prefill context parallelism "
+                f"(PCP={pcp_world_size})"
+            )
+
+
+def _make_init(original: Callable[..., None]) -> Callable[..., None]:
+    def __init__(
+        self: Any,
+        kv_cache_config: Any,
+        max_model_len: int,
+        max_in_flight_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        check_groups_admissible(
+            kv_cache_config.kv_cache_groups, dcp_world_size, pcp_world_size
+        )
+        original(
+            self,
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            *args,
+            **kwargs,
+        )
+
+    return __init__
+
+
+def apply(module: ModuleType) -> None:
+    wrap(module.KVCacheCoordinator, "__init__", _make_init)

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.core.kv_cache_planning``: memory planning keeps groups with
+different K apart and checks the operator's overrides reached every worker.
+
+What:
+- ``unify_hybrid_kv_cache_specs`` (hybrid manager disabled) splits layers
+  replicated vs sharded (~864); layers are first partitioned by their
+  ``dcp_kv_shard_count`` and the original runs on each part, so layers with
+  different K are never promoted into one type.
+- ``_layer_tp_replicas`` (~1233) asks the spec: a spec flagged sharded whose
+  K is 1 is replicated over DCP ranks and gets vLLM's replicated answer;
+  otherwise the original (K > 1 ranks hold different shards).
+- ``get_global_kv_cache_groups`` first runs
+  ``vllm_dcp_geometry.overrides.check_applied`` over every worker's specs: an
+  override pattern that matches no layer of any worker, or a worker whose
+  specs miss the override (plugin not loaded), fails at start-up.
+Per-request memory (``max_memory_usage_bytes``, ``max_memory_usage_pages``,
+max concurrency, max-model-len estimates) goes through the spec methods the
+common ``kv_cache_interface`` patch makes K-aware; nothing here restates it.
+
+Why: vLLM 0.33.0 keys these decisions on the boolean ``dcp_sharded``.
+
+Remove when: vLLM plans KV memory from a per-spec DCP shard count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import (
+    UpstreamSymbol,
+    lookup,
+    rebind_module_references,
+    wrap,
+)
+from vllm_dcp_geometry.overrides import check_applied
+from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+    dcp_kv_shard_count_of,
+    get_kv_cache_dcp_shard_count,
+    upstream_shard_count,
+)
+
+UPSTREAM_MODULE = "vllm.v1.core.kv_cache_planning"
+PROCESS = "engine_core"
+WHY = "KV memory planning splits and deduplicates layers by the boolean dcp_sharded"
+REMOVE_WHEN = "vLLM plans KV memory from a per-spec DCP shard count"
+
+_M = UPSTREAM_MODULE
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(_M, "unify_hybrid_kv_cache_specs", "kv_cache_spec"),
+    UpstreamSymbol(_M, "_layer_tp_replicas", "spec, tp_size, dcp_size"),
+    UpstreamSymbol(_M, "get_global_kv_cache_groups", "vllm_config, kv_cache_specs"),
+)
+
+
+def _make_unify(original: Callable[[dict[str, Any]], None]) -> Callable[..., None]:
+    def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, Any]) -> None:
+        parts: dict[int | None, dict[str, Any]] = {}
+        for name, spec in kv_cache_spec.items():
+            parts.setdefault(dcp_kv_shard_count_of(spec), {})[name] = spec
+        if set(parts) <= {None}:
+            original(kv_cache_spec)
+            return
+        # The original promotes in place; run it per part and write back.
+        for part in parts.values():
+            original(part)
+            kv_cache_spec.update(part)
+
+    return unify_hybrid_kv_cache_specs
+
+
+def _make_layer_tp_replicas(
+    original: Callable[[Any, int, int], int],
+) -> Callable[[Any, int, int], int]:
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    def _layer_tp_replicas(spec: Any, tp_size: int, dcp_size: int) -> int:
+        if not isinstance(spec, AttentionSpec):
+            return original(spec, tp_size, dcp_size)
+        k = get_kv_cache_dcp_shard_count(spec, dcp_size)
+        if k == upstream_shard_count(spec, dcp_size) or k > 1:
+            return original(spec, tp_size, dcp_size)
+        # K = 1: every DCP rank holds the same tokens, as for a replicated spec.
+        return original(spec, tp_size, 1)
+
+    return _layer_tp_replicas
+
+
+def _make_get_global_kv_cache_groups(
+    original: Callable[[Any, list[dict[str, Any]]], Any],
+) -> Callable[[Any, list[dict[str, Any]]], Any]:
+    def get_global_kv_cache_groups(
+        vllm_config: Any, kv_cache_specs: list[dict[str, Any]]
+    ) -> Any:
+        check_applied(kv_cache_specs, vllm_config)
+        return original(vllm_config, kv_cache_specs)
+
+    return get_global_kv_cache_groups
+
+
+def apply(module: ModuleType) -> None:
+    for name, make in (
+        ("unify_hybrid_kv_cache_specs", _make_unify),
+        ("_layer_tp_replicas", _make_layer_tp_replicas),
+        ("get_global_kv_cache_groups", _make_get_global_kv_cache_groups),
+    ):
+        _, _, original = lookup(module, name)
+        wrap(module, name, make)
+        rebind_module_references(original, getattr(module, name))

@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.core.kv_cache_utils``: the scheduler's block sizes ask the spec.
+
+What: replaces ``resolve_dcp_kv_block_size`` (``B * K`` instead of
+``B * (D if dcp_sharded else 1)``) and wraps ``resolve_kv_cache_block_sizes``.
+``resolve_dcp_kv_cache_spec``, ``partial_hash_hits_enabled`` and the
+multi-group path of ``resolve_kv_cache_block_sizes`` call the module's
+``resolve_dcp_kv_block_size`` and so follow it unchanged. The single-group
+path, which reads ``D`` from the config and the group's boolean flag, runs the
+original against a view of the config whose DCP size is the group's K. At
+start-up every group's K is resolved (an invalid K fails here) and a partial
+K with prefill context parallelism is rejected. Modules that imported these
+functions by name before the patch (``vllm.v1.engine.core``, KV connectors:
+offloading, simple_kv_offload, umbp, mooncake store, decode_bench) are
+rebound; modules imported later get the patched functions from this module.
+
+Why: vLLM 0.33.0 restates the DCP rule from the boolean ``dcp_sharded``, so a
+group with a partial shard count would be scheduled, hashed and sized as if
+sharded over all D ranks.
+
+Remove when: vLLM derives block spans from a per-spec DCP shard count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import (
+    UpstreamSymbol,
+    lookup,
+    rebind_module_references,
+    wrap,
+)
+from vllm_dcp_geometry.contract import DcpGeometryError, virtual_block_size
+from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+    get_kv_cache_dcp_shard_count,
+    upstream_shard_count,
+)
+
+UPSTREAM_MODULE = "vllm.v1.core.kv_cache_utils"
+PROCESS = "engine_core"
+WHY = (
+    "scheduler and hashing block sizes restate B * D from the boolean "
+    "dcp_sharded; they must use each group's shard count K"
+)
+REMOVE_WHEN = "vLLM resolves DCP block spans through a per-spec shard count"
+
+_M = UPSTREAM_MODULE
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(_M, "resolve_dcp_kv_block_size", "spec, dcp_world_size"),
+    UpstreamSymbol(_M, "resolve_kv_cache_block_sizes", "kv_cache_config, vllm_config"),
+    # Relied on: they call the module's resolve_dcp_kv_block_size.
+    UpstreamSymbol(_M, "resolve_dcp_kv_cache_spec", "spec, dcp_world_size"),
+    UpstreamSymbol(
+        _M,
+        "partial_hash_hits_enabled",
+        "kv_cache_groups, hash_block_size, dcp_world_size=, manager_classes=",
+    ),
+)
+
+
+def group_owner(index: int, group: Any) -> str:
+    """A KV-cache group's name for error messages."""
+    names = list(getattr(group, "layer_names", ()) or ())
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"KV-cache group {index} ({shown or type(group.kv_cache_spec).__name__})"
+
+
+def group_shard_counts(
+    groups: Any, dcp_world_size: int, pcp_world_size: int = 1
+) -> list[int]:
+    """K of every group (validated), rejecting partial K with PCP > 1."""
+    counts = []
+    for index, group in enumerate(groups):
+        owner = group_owner(index, group)
+        k = get_kv_cache_dcp_shard_count(
+            group.kv_cache_spec, dcp_world_size, owner=owner
+        )
+        if pcp_world_size > 1 and 1 < k < dcp_world_size:
+            raise DcpGeometryError(
+                f"{owner}: a partial shard count K={k} (D={dcp_world_size}) "
+                f"cannot be combined with prefill context parallelism "
+                f"(PCP={pcp_world_size})"
+            )
+        counts.append(k)
+    return counts
+
+
+def deviates_from_upstream(spec: Any, dcp_world_size: int) -> bool:
+    """Whether the spec's K differs from what vLLM derives from its flag."""
+    return get_kv_cache_dcp_shard_count(spec, dcp_world_size) != (
+        upstream_shard_count(spec, dcp_world_size)
+    )
+
+
+def _make_resolve_dcp_kv_block_size(
+    original: Callable[[Any, int], int],
+) -> Callable[[Any, int], int]:
+    def resolve_dcp_kv_block_size(spec: Any, dcp_world_size: int) -> int:
+        k = get_kv_cache_dcp_shard_count(spec, dcp_world_size)
+        if k == upstream_shard_count(spec, dcp_world_size):
+            return original(spec, dcp_world_size)
+        return virtual_block_size(spec.block_size, k)
+
+    return resolve_dcp_kv_block_size
+
+
+class _ParallelConfigView:
+    """A parallel config that reports another DCP size; all else delegates."""
+
+    def __init__(self, parallel_config: Any, dcp_world_size: int) -> None:
+        self._parallel_config = parallel_config
+        self.decode_context_parallel_size = dcp_world_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parallel_config, name)
+
+
+class _VllmConfigView:
+    """A vLLM config whose parallel config reports a group's K as DCP size."""
+
+    def __init__(self, vllm_config: Any, dcp_world_size: int) -> None:
+        self._vllm_config = vllm_config
+        self.parallel_config = _ParallelConfigView(
+            vllm_config.parallel_config, dcp_world_size
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vllm_config, name)
+
+
+def _make_resolve_kv_cache_block_sizes(
+    original: Callable[[Any, Any], tuple[int, int]],
+) -> Callable[[Any, Any], tuple[int, int]]:
+    def resolve_kv_cache_block_sizes(
+        kv_cache_config: Any, vllm_config: Any
+    ) -> tuple[int, int]:
+        parallel = vllm_config.parallel_config
+        dcp = parallel.decode_context_parallel_size
+        groups = kv_cache_config.kv_cache_groups
+        counts = group_shard_counts(
+            groups, dcp, getattr(parallel, "prefill_context_parallel_size", 1)
+        )
+        # Several groups: the LCM runs over resolve_dcp_kv_block_size, which is
+        # K-aware. One group: the original reads D and the group's flag itself,
+        # so it runs against the group's geometry.
+        if len(groups) != 1 or not deviates_from_upstream(groups[0].kv_cache_spec, dcp):
+            return original(kv_cache_config, vllm_config)
+        return original(kv_cache_config, _VllmConfigView(vllm_config, counts[0]))
+
+    return resolve_kv_cache_block_sizes
+
+
+def apply(module: ModuleType) -> None:
+    for name, make in (
+        ("resolve_dcp_kv_block_size", _make_resolve_dcp_kv_block_size),
+        ("resolve_kv_cache_block_sizes", _make_resolve_kv_cache_block_sizes),
+    ):
+        _, _, original = lookup(module, name)
+        wrap(module, name, make)
+        rebind_module_references(original, getattr(module, name))

@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.core.single_type_kv_cache_manager``: managers allocate in
+units of ``V = B * K``.
+
+What: wraps ``SingleTypeKVCacheManager.__init__``. Where the group's shard
+count K differs from what vLLM derives from ``dcp_sharded`` (a partial K, or
+K = 1 on a spec still flagged sharded), the original runs with the group's
+geometry as its DCP world size: ``dcp_world_size = K``, ``block_size = B * K``
+and no PCP (PCP with a partial K is rejected). Everything the coordinator and
+the managers derive later - ``group_block_sizes``, cache-hit lookups
+(``find_longest_cache_hit(..., dcp_world_size=manager.dcp_world_size)``),
+reachable-block masks, cached-block bookkeeping - reads these attributes, so it
+follows K unchanged. Where K equals vLLM's value the original runs as is.
+
+Why: vLLM 0.33.0 sets ``dcp_world_size = D if dcp_sharded else 1`` per
+manager, so a partial group would allocate one block per ``B * D`` tokens and
+run out of KV slots (silent under-allocation).
+
+Remove when: vLLM managers take the group's shard count from the spec.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+    get_kv_cache_dcp_shard_count,
+    upstream_shard_count,
+)
+
+UPSTREAM_MODULE = "vllm.v1.core.single_type_kv_cache_manager"
+PROCESS = "engine_core"
+WHY = "managers scale block_size by D from the boolean dcp_sharded, not by K"
+REMOVE_WHEN = "vLLM managers read a per-spec DCP shard count"
+
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(
+        UPSTREAM_MODULE,
+        "SingleTypeKVCacheManager.__init__",
+        "self, kv_cache_spec, block_pool, enable_caching, kv_cache_group_id, "
+        "scheduler_block_size, dcp_world_size=, pcp_world_size=, "
+        "needs_kv_cache_zeroing=, max_admission_blocks_per_request=",
+    ),
+)
+
+
+def _make_init(original: Callable[..., None]) -> Callable[..., None]:
+    signature = inspect.signature(original)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        spec = bound.arguments["kv_cache_spec"]
+        dcp = bound.arguments.get("dcp_world_size", 1)
+        owner = f"KV-cache group {bound.arguments.get('kv_cache_group_id', '?')}"
+        k = get_kv_cache_dcp_shard_count(spec, dcp, owner=owner)
+        if k == upstream_shard_count(spec, dcp):
+            original(self, *args, **kwargs)
+            return
+        pcp = bound.arguments.get("pcp_world_size", 1)
+        if pcp > 1 and k > 1:
+            raise DcpGeometryError(
+                f"{owner}: a partial shard count K={k} (D={dcp}) cannot be "
+                f"combined with prefill context parallelism (PCP={pcp})"
+            )
+        bound.arguments["dcp_world_size"] = k
+        # K = 1 is replicated geometry, which vLLM runs without PCP sharding.
+        bound.arguments["pcp_world_size"] = 1
+        original(*bound.args, **bound.kwargs)
+
+    return __init__
+
+
+def apply(module: ModuleType) -> None:
+    wrap(module.SingleTypeKVCacheManager, "__init__", _make_init)
