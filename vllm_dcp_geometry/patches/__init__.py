@@ -12,6 +12,23 @@ order in which patches apply when their upstream modules are already loaded.
 
 PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.common.kv_cache_interface",
+    "vllm_dcp_geometry.patches.worker.block_table",
+    "vllm_dcp_geometry.patches.worker.gpu_model_runner",
+    "vllm_dcp_geometry.patches.worker.gpu_block_table",
+    "vllm_dcp_geometry.patches.worker.gpu_model_runner_v2",
+    "vllm_dcp_geometry.patches.worker.dflash_speculator",
+    "vllm_dcp_geometry.patches.engine_core.kv_cache_utils",
+    "vllm_dcp_geometry.patches.engine_core.single_type_kv_cache_manager",
+    "vllm_dcp_geometry.patches.engine_core.kv_cache_coordinator",
+    "vllm_dcp_geometry.patches.engine_core.kv_cache_planning",
+    "vllm_dcp_geometry.patches.engine_core.kv_connector_base",
+    "vllm_dcp_geometry.patches.engine_core.forward_batch",
+    "vllm_dcp_geometry.patches.worker.kv_cache_spec_overrides",
+    "vllm_dcp_geometry.patches.worker.kv_cache_spec_overrides_v2",
+    "vllm_dcp_geometry.patches.worker.utils",
+    "vllm_dcp_geometry.patches.worker.flash_attn",
+    "vllm_dcp_geometry.patches.worker.flashinfer",
+    "vllm_dcp_geometry.patches.worker.mla_attention",
 )
 
 

@@ -1,0 +1,444 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Worker block tables take their geometry from the spec (this process is patched).
+
+Model Runner V1's real ``may_reinitialize_input_batch`` runs on a runner state
+without a model; V2's ``BlockTables`` is built directly. Slot mappings
+themselves are checked rank by rank in ``test_worker_slot_mapping.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1 import kv_cache_interface as k
+
+from tests import worker_harness as h
+from tests.spec_catalogue import make_vllm_config as make_carrier_config
+from vllm_dcp_geometry import DcpGeometryError, plugin
+from vllm_dcp_geometry import contract as c
+from vllm_dcp_geometry._patching import original_of
+from vllm_dcp_geometry.patches.worker import (
+    block_table as v1_patch,
+)
+from vllm_dcp_geometry.patches.worker import (
+    dflash_speculator as dflash_patch,
+)
+from vllm_dcp_geometry.patches.worker import (
+    gpu_block_table as v2_patch,
+)
+from vllm_dcp_geometry.patches.worker import (
+    gpu_model_runner as v1_runner_patch,
+)
+from vllm_dcp_geometry.patches.worker import (
+    gpu_model_runner_v2 as v2_runner_patch,
+)
+
+ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+MLA = {"num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
+L = 1_000_000
+
+
+@pytest.fixture
+def v2_on_cpu() -> Iterator[None]:
+    undo = h.enable_v2_on_cpu()
+    try:
+        yield
+    finally:
+        undo()
+
+
+def full(block_size: int = 64, **kw: Any) -> k.FullAttentionSpec:
+    return k.FullAttentionSpec(block_size=block_size, **ATTN, **kw)
+
+
+def mamba_align() -> k.MambaSpec:
+    return k.MambaSpec(
+        block_size=768,
+        shapes=((4, 2048),),
+        dtypes=(torch.bfloat16,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=7,
+    )
+
+
+def test_worker_patches_apply_and_wrap_upstream() -> None:
+    import vllm.v1.worker.block_table as bt
+    import vllm.v1.worker.gpu.block_table as gbt
+    import vllm.v1.worker.gpu.model_runner as gmr
+    import vllm.v1.worker.gpu.spec_decode.dflash.speculator as dfs
+    import vllm.v1.worker.gpu_model_runner as mr
+
+    for patch, upstream, owner, name in (
+        (v1_patch, bt, bt.BlockTable, "__init__"),
+        (v1_patch, bt, bt.MultiGroupBlockTable, "__init__"),
+        (v1_runner_patch, mr, mr.GPUModelRunner, "may_reinitialize_input_batch"),
+        (v2_patch, gbt, gbt.BlockTables, "__init__"),
+        (v2_patch, gbt, gbt.BlockTables, "compute_slot_mappings"),
+        (v2_runner_patch, gmr, gmr.GPUModelRunner, "initialize_kv_cache"),
+        (dflash_patch, dfs, dfs.DFlashSpeculator, "set_attn"),
+    ):
+        assert plugin.applied_patches()[patch.__name__] == upstream.__name__
+        assert original_of(owner.__dict__[name]) is not owner.__dict__[name]
+
+
+# Model Runner V1 -------------------------------------------------------------------
+
+
+def v1_specs() -> list[tuple[str, Any]]:
+    return [
+        ("model.layers.0.self_attn.attn", k.MLAAttentionSpec(block_size=64, **MLA)),
+        (
+            "model.encoder.layers.0.attn",
+            k.EncoderOnlyAttentionSpec(block_size=16, **ATTN),
+        ),
+        ("model.layers.3.self_attn.attn", full(dcp_kv_shard_count=4)),
+        ("model.layers.61.draft.attn", full(dcp_sharded=False)),
+        ("model.layers.1.linear_attn", mamba_align()),
+    ]
+
+
+def registered_slot_warmups(runner: Any) -> list[dict[str, Any]]:
+    import vllm.v1.worker.block_table as bt
+
+    registrations = runner.jit_warmup_registry._registrations
+    return [kw for _, kw in registrations.get(bt._COMPUTE_SLOT_MAPPING_KERNEL, [])]
+
+
+def test_v1_runner_builds_tables_from_the_specs() -> None:
+    config = h.make_vllm_config(16)
+    kv_config = h.kv_cache_config(v1_specs())
+    runner = h.v1_runner_input_batch(
+        kv_config,
+        config,
+        max_model_len=L,
+        dcp_rank=6,
+        max_num_reqs=2,
+        max_num_tokens=64,
+    )
+    tables = runner.input_batch.block_table.block_tables
+    # The encoder-only group (group 1) has no table: table index != group index.
+    assert [t.block_size for t in tables] == [64, 64, 64, 768]
+    assert [t.max_num_blocks_per_req for t in tables] == [978, 3908, 15626, 1310]
+    assert [(t.dcp_world_size, t.dcp_rank) for t in tables] == [
+        (16, 6),
+        (4, 2),
+        (1, 0),
+        (1, 0),
+    ]
+    modes = [t.slot_mapping_mode.name for t in tables]
+    assert modes == ["TOKEN_TO_KV_SLOT"] * 3 + ["NONE"]
+    layout = runner.dcp_geometry_layout
+    assert [t.owner.split(" (")[0] for t in layout.tables] == [
+        "KV-cache group 0",
+        "KV-cache group 2",
+        "KV-cache group 3",
+        "KV-cache group 4",
+    ]
+    # Warmup compiles the kernels the tables launch, with the group's K.
+    warm = {
+        (w["total_cp_world_size"], w["total_cp_rank"])
+        for w in registered_slot_warmups(runner)
+    }
+    assert warm == {(16, 6), (4, 2), (1, 0)}
+
+
+def test_v1_runner_rebuilds_where_upstream_sees_no_change() -> None:
+    # One replicated group whose block size and width equal the placeholder
+    # the runner starts with: upstream keeps its placeholder tables, which use
+    # the global DCP size.
+    config = h.make_vllm_config(4)
+    kv_config = h.kv_cache_config(
+        [("model.layers.0.attn", full(16, dcp_sharded=False))]
+    )
+    runner = h.v1_runner_input_batch(
+        kv_config,
+        config,
+        max_model_len=4096,
+        dcp_rank=3,
+        max_num_reqs=2,
+        max_num_tokens=64,
+    )
+    (table,) = runner.input_batch.block_table.block_tables
+    assert (table.dcp_world_size, table.dcp_rank) == (1, 0)
+    assert table.max_num_blocks_per_req == 4096 // 16
+    batch = runner.input_batch
+    import vllm.v1.worker.gpu_model_runner as mr
+
+    mr.GPUModelRunner.may_reinitialize_input_batch(runner, kv_config)
+    assert runner.input_batch is batch  # nothing changed: no second rebuild
+
+
+def test_v1_runner_at_dcp1_calls_upstream_unchanged() -> None:
+    config = h.make_vllm_config(1)
+    kv_config = h.kv_cache_config(v1_specs())
+    runner = h.v1_runner_input_batch(
+        kv_config,
+        config,
+        max_model_len=4096,
+        dcp_rank=0,
+        max_num_reqs=2,
+        max_num_tokens=64,
+    )
+    assert not hasattr(runner, "dcp_geometry_layout")
+    assert not hasattr(runner.input_batch.block_table, "dcp_geometry_layout")
+
+
+def test_v1_slot_mode_and_alignment_come_from_the_spec() -> None:
+    config = make_carrier_config(4)
+    specs = [
+        ("ring", k.CircularBufferSpec(block_size=8, **ATTN)),
+        ("hot", k.HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=3)),
+        ("full", full(16)),
+    ]
+    layout = v1_patch.block_table_layout(specs, config, 8192, 4, 1, 1)
+    ring, hot, plain = layout.tables
+    # Specs that address their own pages: no slot mapping, no token alignment.
+    assert (ring.uses_slot_mapping, ring.width) == (False, 1)
+    assert (hot.uses_slot_mapping, hot.width) == (False, 3)
+    assert plain.uses_slot_mapping
+    assert plain.width == c.aligned_block_table_width(8192 // 64, 16, 128)
+    tables = h.build_v1_tables(
+        [t.block_size for t in layout.tables],
+        [t.max_num_blocks_per_req for t in layout.tables],
+        [True] * 3,  # upstream's kind-based choice; the layout overrides it
+        1,
+        max_num_reqs=2,
+        max_num_batched_tokens=32,
+        dcp_layout=layout,
+    )
+    assert [t.slot_mapping_mode.name for t in tables.block_tables] == [
+        "NONE",
+        "NONE",
+        "TOKEN_TO_KV_SLOT",
+    ]
+    assert [t.max_num_blocks_per_req for t in tables.block_tables] == [
+        1,
+        3,
+        plain.width,
+    ]
+
+
+def test_v1_layout_must_match_the_runner_arguments() -> None:
+    layout = v1_patch.block_table_layout(
+        [("a", full(16)), ("b", full(16, dcp_sharded=False))],
+        make_carrier_config(2),
+        1024,
+        2,
+        0,
+        1,
+    )
+    with pytest.raises(DcpGeometryError, match="2 tables"):
+        h.build_v1_tables(
+            [16],
+            [layout.tables[0].max_num_blocks_per_req],
+            [True],
+            1,
+            max_num_reqs=1,
+            max_num_batched_tokens=8,
+            dcp_layout=layout,
+        )
+    with pytest.raises(DcpGeometryError, match="blocks per request"):
+        h.build_v1_tables(
+            [16, 16],
+            [7, 7],
+            [True, True],
+            1,
+            max_num_reqs=1,
+            max_num_batched_tokens=8,
+            dcp_layout=layout,
+        )
+
+
+def test_shard_geometry_rejects_a_k_that_does_not_divide_d() -> None:
+    with pytest.raises(DcpGeometryError, match="divide"):
+        v1_patch.ShardGeometry(shard_count=3, dcp_world_size=4, dcp_rank=1)
+    with pytest.raises(DcpGeometryError, match="outside"):
+        v1_patch.ShardGeometry(shard_count=2, dcp_world_size=4, dcp_rank=4)
+
+
+def test_layout_errors_name_the_group() -> None:
+    config = make_carrier_config(4)
+    with pytest.raises(DcpGeometryError, match="KV-cache group 1"):
+        v1_runner_patch.input_batch_layout(
+            h.kv_cache_config([("a", full(16)), ("b", full(16, dcp_kv_shard_count=3))]),
+            config,
+            1024,
+            4,
+            0,
+        )
+    with pytest.raises(DcpGeometryError, match=r"only: B=16 .* I=24|I=24"):
+        v1_patch.block_table_layout([("only", full(16))], config, 1024, 4, 0, 24)
+
+
+def test_partial_k_with_pcp_is_rejected() -> None:
+    from vllm.config import CacheConfig, ParallelConfig
+
+    # DCP spanning TP x PCP, as vLLM allows with PCP on.
+    parallel = ParallelConfig(
+        tensor_parallel_size=4,
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=8,
+    )
+    config = SimpleNamespace(parallel_config=parallel, cache_config=CacheConfig())
+    specs = [("layers.0", full(16)), ("layers.1", full(16, dcp_kv_shard_count=2))]
+    with pytest.raises(DcpGeometryError, match=r"layers.1.*PCP=2"):
+        v1_patch.block_table_layout(specs, config, 1024, 8, 0, 1)
+    with pytest.raises(DcpGeometryError, match=r"group 1.*PCP=2"):
+        v2_runner_patch.group_shard_counts(h.kv_cache_config(specs), config)
+    # K in {1, D} keeps upstream's PCP behaviour.
+    ok = [("layers.0", full(16)), ("layers.1", full(16, dcp_sharded=False))]
+    assert v2_runner_patch.group_shard_counts(h.kv_cache_config(ok), config) == [8, 1]
+
+
+# Model Runner V2 -------------------------------------------------------------------
+
+
+def v2_tables(
+    specs: list[tuple[str, Any]], dcp: int, rank: int, *, counts: bool = True
+) -> Any:
+    config = make_carrier_config(dcp)
+    kv_config = h.kv_cache_config(specs)
+    args = h.v2_table_args(kv_config, config, 4096)
+    extra = (
+        {"dcp_shard_counts": v2_runner_patch.group_shard_counts(kv_config, config)}
+        if counts
+        else {}
+    )
+    return h.build_v2_tables(
+        args,
+        cp_size=dcp,
+        cp_rank=rank,
+        cp_interleave=1,
+        max_num_reqs=2,
+        max_num_batched_tokens=512,
+        **extra,
+    )
+
+
+def test_v2_hands_back_to_upstream_where_k_is_1_or_d(v2_on_cpu: None) -> None:
+    upstream_like = v2_tables(
+        [("a", full(16)), ("b", full(16, dcp_sharded=False)), ("m", mamba_align())],
+        4,
+        1,
+    )
+    assert upstream_like.dcp_shard_counts == (4, 1, 1)
+    assert upstream_like._dcp_slot_launches is None
+    partial = v2_tables(
+        [("a", full(16)), ("b", full(16, dcp_kv_shard_count=2)), ("c", full(16))], 4, 3
+    )
+    assert partial.dcp_shard_counts == (4, 2, 4)
+    launches = [
+        (x.start, x.stop, x.shard_count, x.shard) for x in partial._dcp_slot_launches
+    ]
+    # One launch for K in {1, 4} over every group, one for the K=2 run.
+    assert launches == [(0, 3, 4, 3), (1, 2, 2, 1)]
+    assert partial._dcp_slot_launches[0].enabled.tolist() == [True, False, True]
+
+
+def test_v2_plan_gives_every_group_one_final_launch() -> None:
+    counts = [16, 1, 4, 4, 16, 2, 4, 1, 8]
+    enabled = [True, True, True, True, True, True, True, False, True]
+    plan = v2_patch.plan_slot_mapping_launches(counts, enabled)
+    start, stop, main, on, sharded = plan[0]
+    assert (start, stop, main) == (0, len(counts), 4)  # the most common K > 1
+    assert sharded == [kk == 4 for kk in counts]
+    # The launch that writes each enabled group last, and with which CP_SIZE;
+    # K = 1 groups ride in the main launch, unsharded.
+    written: dict[int, tuple[int, bool]] = {}
+    for start, stop, kk, on, sharded in plan:
+        for g, flag, sh in zip(range(start, stop), on, sharded, strict=True):
+            if flag:
+                written[g] = (kk, sh)
+    assert written == {
+        0: (16, True),
+        1: (4, False),
+        2: (4, True),
+        3: (4, True),
+        4: (16, True),
+        5: (2, True),
+        6: (4, True),
+        8: (8, True),
+    }
+    # One extra launch per contiguous run of another K: [0], [4], [5], [8].
+    assert [(a, b) for a, b, *_ in plan[1:]] == [(0, 1), (4, 5), (5, 6), (8, 9)]
+
+
+def test_v2_rejects_bad_shard_counts(v2_on_cpu: None) -> None:
+    config = make_carrier_config(4)
+    specs = [("a", full(16)), ("b", full(16))]
+    args = h.v2_table_args(h.kv_cache_config(specs), config, 1024)
+    build = dict(
+        cp_size=4, cp_rank=1, cp_interleave=1, max_num_reqs=1, max_num_batched_tokens=8
+    )
+    with pytest.raises(DcpGeometryError, match="2 KV-cache groups"):
+        h.build_v2_tables(args, dcp_shard_counts=[4], **build)
+    with pytest.raises(DcpGeometryError, match="group 1"):
+        h.build_v2_tables(args, dcp_shard_counts=[4, 3], **build)
+
+
+def window_specs() -> list[tuple[str, Any]]:
+    return [
+        ("model.layers.0.attn", full(16, dcp_kv_shard_count=2)),
+        (
+            "model.layers.1.attn",
+            k.SlidingWindowSpec(
+                block_size=16, sliding_window=64, dcp_sharded=False, **ATTN
+            ),
+        ),
+    ]
+
+
+def test_v2_keeps_sliding_window_masking_for_replicated_groups(v2_on_cpu: None) -> None:
+    scenario = h.make_scenario(3, [900, 300], [32, 16], first_positions=[850, 10])
+    gathered = {}
+    for name, dcp, counts in (
+        ("dcp1", 1, True),
+        ("patched", 4, True),
+        ("upstream", 4, False),
+    ):
+        specs = (
+            window_specs()
+            if dcp > 1
+            else [
+                (n, k.FullAttentionSpec(block_size=16, **ATTN)) if i == 0 else (n, s)
+                for i, (n, s) in enumerate(window_specs())
+            ]
+        )
+        tables = v2_tables(specs, dcp, 1 % dcp, counts=counts)
+        h.run_v2(tables, scenario, [1, 0])
+        gathered[name] = h.gather_with_window(tables, scenario, [1, 0])[1]
+    # The replicated window group keeps DCP1's masking: leading entries are null.
+    reach = 64 - 1
+    nulled = (850 - reach) // 16
+    assert (gathered["patched"][0][:nulled] == 0).all()
+    assert gathered["patched"][0][nulled] != 0
+    assert np.array_equal(gathered["patched"], gathered["dcp1"])
+    # Without per-group counts the tables are upstream's: masking is off.
+    assert (gathered["upstream"][0][:nulled] != 0).all()
+
+
+# DFlash-family drafts -----------------------------------------------------------
+
+
+def test_dflash_draft_groups_must_match_the_kernel_cp_size() -> None:
+    kv_config = h.kv_cache_config(
+        [
+            ("model.layers.0.attn", full(64)),
+            ("draft.layers.0.attn", full(64, dcp_sharded=False)),
+            ("draft.layers.1.attn", full(64, dcp_kv_shard_count=4)),
+        ]
+    )
+    # Draft at DCP 1: replicated groups are right, a sharded one is not.
+    dflash_patch.check_draft_group_geometry(kv_config, [1], 1, 16)
+    with pytest.raises(DcpGeometryError, match=r"KV-cache group 2.*K=4"):
+        dflash_patch.check_draft_group_geometry(kv_config, [1, 2], 1, 16)
+    # An MLA draft at DCP D: only K = D matches.
+    dflash_patch.check_draft_group_geometry(kv_config, [0], 16, 16)
+    with pytest.raises(DcpGeometryError, match="KV-cache group 1"):
+        dflash_patch.check_draft_group_geometry(kv_config, [1], 16, 16)

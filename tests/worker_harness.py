@@ -1,0 +1,404 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Drive vLLM's real worker block tables and slot-mapping kernels on CPU.
+
+Imported in the patched test process and in unpatched subprocesses alike, so
+nothing here calls a patched-only API unless its caller passes patched-only
+arguments. The Triton kernels run under the interpreter (``TRITON_INTERPRET=1``
+set by ``tests/conftest.py`` or ``tests.subprocess_runner``); the GPU check in
+``tests/gpu`` calls the same functions with CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+PAD = -1
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def enable_v2_on_cpu() -> Callable[[], None]:
+    """Let Model Runner V2's ``BlockTables`` build on CPU; returns the undo.
+
+    Its UVA buffers need pinned memory and the platform's device type, which an
+    unspecified platform reports as "".
+    """
+    import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+    from vllm.platforms import current_platform
+
+    saved_uva = buffer_utils.is_uva_available
+    had_own = "device_type" in vars(current_platform)
+    saved_type = current_platform.device_type
+    buffer_utils.is_uva_available = lambda: False
+    current_platform.device_type = "cpu"
+
+    def undo() -> None:
+        buffer_utils.is_uva_available = saved_uva
+        if had_own:
+            current_platform.device_type = saved_type
+        else:
+            del current_platform.device_type
+
+    return undo
+
+
+def make_vllm_config(
+    dcp: int, interleave: int = 1, *, mamba_cache_mode: str = "align", pcp: int = 1
+) -> Any:
+    """A real ``VllmConfig`` on the CPU device with DCP ``dcp``."""
+    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
+
+    parallel = ParallelConfig(
+        tensor_parallel_size=dcp,
+        decode_context_parallel_size=dcp,
+        prefill_context_parallel_size=pcp,
+        cp_kv_cache_interleave_size=interleave,
+    )
+    return VllmConfig(
+        parallel_config=parallel,
+        cache_config=CacheConfig(mamba_cache_mode=mamba_cache_mode),
+        device_config=DeviceConfig(device="cpu"),
+    )
+
+
+def kv_cache_config(specs: Sequence[tuple[str, Any]]) -> Any:
+    """A ``KVCacheConfig`` with one group per ``(layer name, spec)``."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([name], spec) for name, spec in specs]
+    return KVCacheConfig(
+        num_blocks=1 << 20, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+
+
+# Requests ---------------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    """Requests of one batch and their block-table rows, per group."""
+
+    seq_lens: list[int]
+    rows: list[list[list[int]]]
+    """``rows[group][request]``: the block ids the scheduler gave the request
+    (identical on every DCP rank)."""
+    first_positions: list[int]
+    """First scheduled position of every request (0: full prefill)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(
+            s - f for s, f in zip(self.seq_lens, self.first_positions, strict=True)
+        )
+
+
+def make_scenario(
+    seed: int,
+    seq_lens: Sequence[int],
+    virtual_block_sizes: Sequence[int],
+    *,
+    first_positions: Sequence[int] | None = None,
+    pool_factor: int = 3,
+) -> Scenario:
+    """Random distinct block ids (never the null block 0): every request gets
+    ``cdiv(seq_len, V)`` blocks in a group whose column covers V tokens."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for virtual in virtual_block_sizes:
+        need = [cdiv(s, virtual) for s in seq_lens]
+        pool = rng.permutation(np.arange(1, pool_factor * sum(need) + 2))
+        ids = pool[: sum(need)].tolist()
+        group_rows, start = [], 0
+        for n in need:
+            group_rows.append(ids[start : start + n])
+            start += n
+        rows.append(group_rows)
+    firsts = (
+        list(first_positions) if first_positions is not None else [0] * len(seq_lens)
+    )
+    return Scenario([int(s) for s in seq_lens], rows, firsts)
+
+
+def batch_inputs(
+    scenario: Scenario, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query_start_loc`` (int32) and ``positions`` (int64) of the batch."""
+    lens = [
+        s - f for s, f in zip(scenario.seq_lens, scenario.first_positions, strict=True)
+    ]
+    query_start_loc = torch.tensor(
+        np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32
+    )
+    positions = torch.cat(
+        [
+            torch.arange(f, s, dtype=torch.int64)
+            for s, f in zip(scenario.seq_lens, scenario.first_positions, strict=True)
+        ]
+    )
+    return query_start_loc.to(device), positions.to(device)
+
+
+# Model Runner V1 ------------------------------------------------------------------
+
+
+def build_v1_tables(
+    block_sizes: Sequence[int],
+    max_num_blocks: Sequence[int],
+    token_slots: Sequence[bool],
+    interleave: int,
+    *,
+    max_num_reqs: int,
+    max_num_batched_tokens: int,
+    device: torch.device | str = "cpu",
+    **patched_kwargs: Any,
+) -> Any:
+    """A real ``MultiGroupBlockTable``; ``patched_kwargs`` (``dcp_layout``) only
+    in a patched process."""
+    from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
+
+    modes = [
+        SlotMappingMode.TOKEN_TO_KV_SLOT if on else SlotMappingMode.NONE
+        for on in token_slots
+    ]
+    return MultiGroupBlockTable(
+        max_num_reqs,
+        max_num_batched_tokens,
+        False,
+        torch.device(device),
+        list(block_sizes),
+        list(max_num_blocks),
+        interleave,
+        modes,
+        **patched_kwargs,
+    )
+
+
+def emulate_dcp_group(block_table: Any, dcp_world_size: int, dcp_rank: int) -> None:
+    """What unpatched vLLM gives every table on rank ``dcp_rank`` of a real DCP
+    group (tests have no group, so upstream's fallback is 1 / 0)."""
+    for table in block_table.block_tables:
+        table.dcp_world_size = dcp_world_size
+        table.dcp_rank = dcp_rank
+
+
+def run_v1(block_table: Any, scenario: Scenario) -> dict[str, Any]:
+    """Fill the rows, commit, compute the slot mapping; return every table's
+    rows and slot-mapping buffer (None where the table maps no slots)."""
+    from vllm.v1.worker.block_table import SlotMappingMode
+
+    num_reqs = len(scenario.seq_lens)
+    # The interpreter stores through raw pointers: never let it overrun.
+    assert scenario.num_tokens <= block_table.block_tables[0].max_num_batched_tokens
+    block_table.clear()
+    for req in range(num_reqs):
+        block_table.add_row(tuple(rows[req] for rows in scenario.rows), req)
+    block_table.commit_block_table(num_reqs)
+    device = block_table.block_tables[0].block_table.gpu.device
+    query_start_loc, positions = batch_inputs(scenario, device)
+    for table in block_table.block_tables:
+        table.slot_mapping.gpu.fill_(-7)  # not a value the kernel writes
+    block_table.compute_slot_mapping(num_reqs, query_start_loc, positions)
+    out: dict[str, Any] = {"tables": [], "slots": []}
+    for table in block_table.block_tables:
+        out["tables"].append(table.block_table.gpu[:num_reqs].cpu().numpy())
+        if table.slot_mapping_mode == SlotMappingMode.NONE:
+            out["slots"].append(None)
+        else:
+            out["slots"].append(table.slot_mapping.gpu.cpu().numpy())
+    return out
+
+
+class RunnerState(SimpleNamespace):
+    """The state ``GPUModelRunner.may_reinitialize_input_batch`` reads, without
+    a model: enough to run the real method (and our wrapper) on CPU."""
+
+
+def v1_runner_input_batch(
+    kv_cache_config: Any,
+    vllm_config: Any,
+    *,
+    max_model_len: int,
+    dcp_rank: int,
+    max_num_reqs: int,
+    max_num_tokens: int,
+    device: torch.device | str = "cpu",
+) -> Any:
+    """Run the real ``GPUModelRunner.may_reinitialize_input_batch`` (patched or
+    not) from its placeholder state and return the runner state."""
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+    from vllm.v1.worker.block_table import SlotMappingMode
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = RunnerState(
+        vllm_config=vllm_config,
+        parallel_config=vllm_config.parallel_config,
+        cache_config=vllm_config.cache_config,
+        model_config=SimpleNamespace(get_vocab_size=lambda: 64),
+        max_model_len=max_model_len,
+        max_encoder_len=0,
+        dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
+        dcp_rank=dcp_rank,
+        # The placeholder geometry __init__ leaves before the KV cache is known.
+        _init_block_sizes=[16],
+        _init_max_num_blocks=[cdiv(max_model_len, 16)],
+        _init_slot_mapping_modes=[SlotMappingMode.TOKEN_TO_KV_SLOT],
+        cp_kv_cache_interleave_size=vllm_config.parallel_config.cp_kv_cache_interleave_size,
+        jit_warmup_registry=JitWarmupRegistry(vllm_config),
+        max_num_reqs=max_num_reqs,
+        max_num_tokens=max_num_tokens,
+        device=torch.device(device),
+        num_spec_tokens=0,
+        input_batch=SimpleNamespace(
+            logitsprocs=None, logitsprocs_need_output_token_ids=False
+        ),
+        is_pooling_model=False,
+    )
+    GPUModelRunner.may_reinitialize_input_batch(runner, kv_cache_config)
+    return runner
+
+
+# Model Runner V2 ------------------------------------------------------------------
+
+
+def v2_table_args(
+    kv_cache_config: Any, vllm_config: Any, max_len: int
+) -> dict[str, Any]:
+    """The per-group arguments Model Runner V2's ``initialize_kv_cache`` gives
+    ``BlockTables``, from the same spec methods it calls."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.worker.block_table import get_block_table_width
+
+    args: dict[str, list[Any]] = {
+        "block_sizes": [],
+        "max_num_blocks_per_group": [],
+        "slot_mapping_enabled": [],
+        "dcp_sharded": [],
+        "sliding_window_reach": [],
+    }
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        layer = spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+        args["block_sizes"].append(spec.block_size)
+        args["slot_mapping_enabled"].append(layer.uses_slot_mapping)
+        args["dcp_sharded"].append(spec.dcp_sharded)
+        args["sliding_window_reach"].append(
+            layer.num_retained_tokens if isinstance(layer, SlidingWindowSpec) else 0
+        )
+        args["max_num_blocks_per_group"].append(
+            get_block_table_width(
+                spec.max_num_blocks_per_req(vllm_config, max_len),
+                spec.block_size,
+                token_alignment=spec.block_table_token_alignment,
+            )
+        )
+    return args
+
+
+def build_v2_tables(
+    table_args: dict[str, Any],
+    *,
+    cp_size: int,
+    cp_rank: int,
+    cp_interleave: int,
+    max_num_reqs: int,
+    max_num_batched_tokens: int,
+    device: torch.device | str = "cpu",
+    **patched_kwargs: Any,
+) -> Any:
+    """A real ``BlockTables``; ``patched_kwargs`` (``dcp_shard_counts``) only in
+    a patched process."""
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    return BlockTables(
+        block_sizes=list(table_args["block_sizes"]),
+        max_num_reqs=max_num_reqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_blocks_per_group=list(table_args["max_num_blocks_per_group"]),
+        device=torch.device(device),
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_interleave=cp_interleave,
+        slot_mapping_enabled=list(table_args["slot_mapping_enabled"]),
+        dcp_sharded=list(table_args["dcp_sharded"]),
+        sliding_window_reach=list(table_args["sliding_window_reach"]),
+        **patched_kwargs,
+    )
+
+
+def run_v2(
+    block_tables: Any,
+    scenario: Scenario,
+    req_states: Sequence[int],
+    *,
+    rows_from: Any = None,
+) -> dict[str, Any]:
+    """Write request ``i``'s rows at state index ``req_states[i]``, gather and
+    compute the slot mappings; return per-group gathered rows and slots.
+
+    ``rows_from``: another rank's ``BlockTables`` already holding the same rows
+    (the scheduler gives every rank the same block ids); its rows are copied
+    instead of written again, which the interpreter makes slow, and nothing
+    is gathered.
+    """
+    num_reqs = len(scenario.seq_lens)
+    assert scenario.num_tokens <= block_tables.max_num_batched_tokens
+    if rows_from is None:
+        for req, state in enumerate(req_states):
+            block_tables.append_block_ids(
+                state, tuple(rows[req] for rows in scenario.rows), overwrite=True
+            )
+        block_tables.apply_staged_writes()
+    else:
+        for mine, theirs in zip(
+            block_tables.block_tables, rows_from.block_tables, strict=True
+        ):
+            mine.gpu.copy_(theirs.gpu)
+        block_tables.num_blocks.np[:] = rows_from.num_blocks.np
+        block_tables.num_blocks.copy_to_uva()
+    device = block_tables.slot_mappings.device
+    idx_mapping = torch.tensor(list(req_states), dtype=torch.int32, device=device)
+    query_start_loc, positions = batch_inputs(scenario, device)
+    tables = None
+    if rows_from is None:
+        gathered = block_tables.gather_block_tables(idx_mapping, num_reqs)
+        tables = [t[:num_reqs].cpu().numpy() for t in gathered]
+    block_tables.slot_mappings.fill_(-7)
+    slots = block_tables.compute_slot_mappings(
+        idx_mapping, query_start_loc, positions, block_tables.slot_mappings.shape[1]
+    )
+    return {"tables": tables, "slots": [s.cpu().numpy() for s in slots]}
+
+
+def gather_with_window(
+    block_tables: Any, scenario: Scenario, req_states: Sequence[int]
+) -> list[np.ndarray]:
+    """Gathered rows with sliding-window null masking for the batch's first
+    scheduled positions."""
+    device = block_tables.slot_mappings.device
+    idx_mapping = torch.tensor(list(req_states), dtype=torch.int32, device=device)
+    computed = torch.zeros(block_tables.max_num_reqs, dtype=torch.int32, device=device)
+    for req, state in enumerate(req_states):
+        computed[state] = scenario.first_positions[req]
+    gathered = block_tables.gather_block_tables(
+        idx_mapping, len(req_states), num_computed_tokens=computed
+    )
+    return [t.cpu().numpy() for t in gathered]
+
+
+def jsonable(result: dict[str, Any]) -> dict[str, Any]:
+    """Arrays to lists, for the subprocess's JSON line."""
+    return {
+        key: None
+        if value is None
+        else [None if a is None else np.asarray(a).tolist() for a in value]
+        for key, value in result.items()
+    }

@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.worker.gpu.spec_decode.dflash.speculator``: check geometry.
+
+What: wraps ``DFlashSpeculator.set_attn`` (inherited by DSpark, DFlash2,
+XPress, LiLiCorr) to check, once the draft's KV-cache groups are known, that
+every draft group's shard count K equals the ``CP_SIZE`` its own slot kernel
+(``_prepare_dflash_inputs_kernel``) runs with, ``speculator.dcp_size``, and
+raises a ``DcpGeometryError`` naming the group otherwise.
+
+Why: the DFlash kernel computes draft slots itself, with ``CP_SIZE =
+dcp_size`` and ``cp_rank = r``, not from the block tables' geometry. That is
+already the contract's mapping for the groups vLLM builds: ``dcp_size`` is 1
+when the draft runs at DCP 1 (its groups are then replicated, K = 1, by
+``get_kv_cache_spec``; ``cp_local_slot`` ignores the rank when ``CP_SIZE ==
+1``) and D for an MLA draft (sharded, K = D, and ``r % D == r``). Only an
+override giving a draft group another K would disagree, and that fails here at
+start-up instead of writing draft KV to the wrong slots.
+
+Remove when: the DFlash kernels take the draft group's shard count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.patches.worker.gpu_model_runner import group_owner
+
+UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
+PROCESS = "worker"
+WHY = (
+    "DFlash-family speculators compute draft slots with CP_SIZE = their own "
+    "dcp_size, which only matches a draft group whose K is that size."
+)
+REMOVE_WHEN = "the DFlash slot kernels take each draft group's DCP shard count"
+
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(
+        UPSTREAM_MODULE,
+        "DFlashSpeculator.set_attn",
+        "self, model_state, kv_cache_config, block_tables, target_input_buffers, "
+        "target_attn_groups",
+    ),
+    UpstreamSymbol(UPSTREAM_MODULE, "prepare_dflash_inputs"),
+)
+
+
+def check_draft_group_geometry(
+    kv_cache_config: Any,
+    draft_group_ids: list[int],
+    speculator_dcp_size: int,
+    target_dcp_size: int,
+) -> None:
+    """Every draft group's K must be the ``CP_SIZE`` of the DFlash kernel."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_dcp_shard_count  # type: ignore[attr-defined]
+
+    for gid in draft_group_ids:
+        group = kv_cache_config.kv_cache_groups[gid]
+        owner = group_owner(gid, list(group.layer_names))
+        k = get_kv_cache_dcp_shard_count(
+            group.kv_cache_spec, target_dcp_size, owner=owner
+        )
+        if k != speculator_dcp_size:
+            raise DcpGeometryError(
+                f"{owner}: the DFlash-family draft computes its slots for DCP "
+                f"size {speculator_dcp_size}, but the group's shard count is K={k} "
+                f"(D={target_dcp_size}); a draft at DCP 1 must be replicated and "
+                f"a draft at DCP D sharded over all D ranks"
+            )
+
+
+def _make_set_attn(original: Callable[..., None]) -> Callable[..., None]:
+    def set_attn(
+        self: Any,
+        model_state: Any,
+        kv_cache_config: Any,
+        block_tables: Any,
+        target_input_buffers: Any,
+        target_attn_groups: Any,
+    ) -> None:
+        original(
+            self,
+            model_state,
+            kv_cache_config,
+            block_tables,
+            target_input_buffers,
+            target_attn_groups,
+        )
+        if block_tables.cp_size > 1:
+            check_draft_group_geometry(
+                kv_cache_config,
+                list(self.draft_kv_cache_group_ids),
+                self.dcp_size,
+                block_tables.cp_size,
+            )
+
+    return set_attn
+
+
+def apply(module: ModuleType) -> None:
+    wrap(module.DFlashSpeculator, "set_attn", _make_set_attn)
