@@ -31,6 +31,10 @@ ORIGINAL_ATTR = "__vllm_dcp_geometry_original__"
 """Set on every wrapper we install; holds the upstream object it replaced."""
 
 
+FACTORY_ATTR = "__vllm_dcp_geometry_factory__"
+"""Set on every wrapper we install; names the function that made it."""
+
+
 class UpstreamChangedError(RuntimeError):
     """A vLLM symbol this plugin patches moved or changed its parameters."""
 
@@ -161,10 +165,20 @@ def wrap(
     """
     namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
     raw = namespace[name]
-    if hasattr(_callable_of(raw), ORIGINAL_ATTR):
-        return
+    factory = f"{make_wrapper.__module__}.{make_wrapper.__qualname__}"
+    existing = _callable_of(raw)
+    if hasattr(existing, ORIGINAL_ATTR):
+        made_by = getattr(existing, FACTORY_ATTR, None)
+        if made_by == factory:
+            return
+        # Two patches on one symbol would leave one of them silently unapplied.
+        raise UpstreamChangedError(
+            f"{getattr(owner, '__qualname__', owner)}.{name} is already wrapped by "
+            f"{made_by}; {factory} cannot wrap it too"
+        )
     func = _callable_of(raw)
     new: Any = make_wrapper(func)
+    setattr(new, FACTORY_ATTR, factory)
     for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
         if hasattr(func, attr):
             with contextlib.suppress(AttributeError, TypeError):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -384,3 +384,15 @@ def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -
                     f"{geometry.dcp_kv_shard_count}: is the vllm-dcp-geometry "
                     "plugin loaded in every worker?"
                 )
+
+
+def make_get_kv_cache_spec(
+    original: Callable[[Any], dict[str, Any]],
+) -> Callable[[Any], dict[str, Any]]:
+    """Wrapper factory for a model runner's ``get_kv_cache_spec``: the specs a
+    worker collects get the operator's overrides, identically on every worker."""
+
+    def get_kv_cache_spec(self: Any) -> dict[str, Any]:
+        return apply_to_kv_cache_specs(original(self), self.vllm_config)
+
+    return get_kv_cache_spec

@@ -23,8 +23,6 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.engine_core.kv_cache_planning",
     "vllm_dcp_geometry.patches.engine_core.kv_connector_base",
     "vllm_dcp_geometry.patches.engine_core.forward_batch",
-    "vllm_dcp_geometry.patches.worker.kv_cache_spec_overrides",
-    "vllm_dcp_geometry.patches.worker.kv_cache_spec_overrides_v2",
     "vllm_dcp_geometry.patches.worker.utils",
     "vllm_dcp_geometry.patches.worker.flash_attn",
     "vllm_dcp_geometry.patches.worker.flashinfer",

@@ -8,9 +8,13 @@ with the spec's token alignment, slot mode from ``uses_slot_mapping``; the
 encoder-only groups upstream skips are skipped, so table index and group index
 may differ) and hands it to the ``MultiGroupBlockTable`` the runner builds
 (see ``patches.worker.block_table``). At D = 1 it calls the original.
+It also wraps ``GPUModelRunner.get_kv_cache_spec``: the specs this worker
+collects get the operator's ``--additional-config`` DCP geometry overrides
+(``vllm_dcp_geometry.overrides``), identically on every worker.
 
 Why: vLLM 0.33.0 derives the slot mode and alignment from the cache kind and
-lets every table use the global DCP size and rank.
+lets every table use the global DCP size and rank; operators have no way to
+set a layer's shard count.
 
 Remove when: Model Runner V1 passes per-group geometry to its block tables.
 """
@@ -23,6 +27,7 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 from vllm_dcp_geometry.patches.worker.block_table import (
     BlockTableLayout,
     block_table_layout,
@@ -43,6 +48,7 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "GPUModelRunner.may_reinitialize_input_batch",
         "self, kv_cache_config",
     ),
+    UpstreamSymbol(UPSTREAM_MODULE, "GPUModelRunner.get_kv_cache_spec", "self"),
 )
 
 LAYOUT_ATTR = "dcp_geometry_layout"
@@ -141,3 +147,4 @@ def apply(module: ModuleType) -> None:
         "may_reinitialize_input_batch",
         _make_may_reinitialize_input_batch,
     )
+    wrap(module.GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)

@@ -12,11 +12,13 @@ Draft groups: upstream ``get_kv_cache_spec`` already marks the draft layers of
 every ``DraftModelSpeculator`` whose ``dcp_size`` is 1 under a DCP target as
 replicated, and in vLLM 0.33.0 every speculator with a draft KV cache is one
 (only the DFlash family runs its draft at DCP 1), so they get K = 1 here.
-``get_kv_cache_spec`` itself belongs to the operator-override patch
-(``patches.worker.kv_cache_spec_overrides_v2``).
+It also wraps ``GPUModelRunner.get_kv_cache_spec``: the specs this worker
+collects get the operator's ``--additional-config`` DCP geometry overrides
+(``vllm_dcp_geometry.overrides``); an override wins over the draft default.
 
 Why: vLLM 0.33.0 hands ``BlockTables`` one ``cp_size`` plus a per-group bool,
-which cannot express a partial K.
+which cannot express a partial K; operators have no way to set a layer's
+shard count.
 
 Remove when: Model Runner V2 passes per-group shard counts to its block tables.
 """
@@ -28,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 from vllm_dcp_geometry.contract import DcpGeometryError, check_interleave
 from vllm_dcp_geometry.patches.worker.block_table import (
     check_prefill_context_parallel,
@@ -53,6 +56,7 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "GPUModelRunner.initialize_kv_cache",
         "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
     ),
+    UpstreamSymbol(_M, "GPUModelRunner.get_kv_cache_spec", "self"),
 )
 
 
@@ -102,3 +106,4 @@ def _make_initialize_kv_cache(original: Callable[..., None]) -> Callable[..., No
 def apply(module: ModuleType) -> None:
     runner = module.GPUModelRunner
     wrap(runner, "initialize_kv_cache", _make_initialize_kv_cache)
+    wrap(runner, "get_kv_cache_spec", make_get_kv_cache_spec)
