@@ -272,3 +272,22 @@ except Exception as exc:
     )
     assert result.startswith("UpstreamChangedError")
     assert "AttentionSpec.renamed_upstream" in result
+
+
+def test_a_second_patch_on_one_symbol_is_refused() -> None:
+    class Owner:
+        def method(self) -> int:
+            return 1
+
+    def make_first(original):  # type: ignore[no-untyped-def]
+        return lambda self: original(self) + 1
+
+    def make_second(original):  # type: ignore[no-untyped-def]
+        return lambda self: original(self) * 10
+
+    _patching.wrap(Owner, "method", make_first)
+    _patching.wrap(Owner, "method", make_first)  # idempotent
+    assert Owner().method() == 2
+    with pytest.raises(UpstreamChangedError, match="already wrapped by"):
+        _patching.wrap(Owner, "method", make_second)
+    assert Owner().method() == 2

@@ -30,8 +30,8 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 from vllm_dcp_geometry.contract import DcpGeometryError, check_interleave
+from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 from vllm_dcp_geometry.patches.worker.block_table import (
     check_prefill_context_parallel,
 )
