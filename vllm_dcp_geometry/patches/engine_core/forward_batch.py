@@ -19,9 +19,7 @@ Remove when: vLLM's forward benchmark reads a per-spec DCP shard count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
-from typing import Any
 
 from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
@@ -29,10 +27,8 @@ from vllm_dcp_geometry._patching import (
     rebind_module_references,
     wrap,
 )
-from vllm_dcp_geometry.contract import virtual_block_size
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
-    get_kv_cache_dcp_shard_count,
-    upstream_shard_count,
+from vllm_dcp_geometry.patches.engine_core.kv_cache_utils import (
+    make_virtual_block_size_resolver,
 )
 
 UPSTREAM_MODULE = "vllm.benchmarks.forward.batch"
@@ -47,19 +43,7 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
 )
 
 
-def _make_kv_block_size(
-    original: Callable[[Any, int], int],
-) -> Callable[[Any, int], int]:
-    def kv_block_size(spec: Any, dcp_size: int) -> int:
-        k = get_kv_cache_dcp_shard_count(spec, dcp_size)
-        if k == upstream_shard_count(spec, dcp_size):
-            return original(spec, dcp_size)
-        return virtual_block_size(spec.block_size, k)
-
-    return kv_block_size
-
-
 def apply(module: ModuleType) -> None:
     _, _, original = lookup(module, "kv_block_size")
-    wrap(module, "kv_block_size", _make_kv_block_size)
+    wrap(module, "kv_block_size", make_virtual_block_size_resolver)
     rebind_module_references(original, module.kv_block_size)

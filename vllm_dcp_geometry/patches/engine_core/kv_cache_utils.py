@@ -96,9 +96,12 @@ def deviates_from_upstream(spec: Any, dcp_world_size: int) -> bool:
     )
 
 
-def _make_resolve_dcp_kv_block_size(
+def make_virtual_block_size_resolver(
     original: Callable[[Any, int], int],
 ) -> Callable[[Any, int], int]:
+    """Wrap a ``(spec, D) -> B * (D if dcp_sharded else 1)`` copy of the rule
+    so it answers ``B * K``; the original runs where K is vLLM's own."""
+
     def resolve_dcp_kv_block_size(spec: Any, dcp_world_size: int) -> int:
         k = get_kv_cache_dcp_shard_count(spec, dcp_world_size)
         if k == upstream_shard_count(spec, dcp_world_size):
@@ -156,7 +159,7 @@ def _make_resolve_kv_cache_block_sizes(
 
 def apply(module: ModuleType) -> None:
     for name, make in (
-        ("resolve_dcp_kv_block_size", _make_resolve_dcp_kv_block_size),
+        ("resolve_dcp_kv_block_size", make_virtual_block_size_resolver),
         ("resolve_kv_cache_block_sizes", _make_resolve_kv_cache_block_sizes),
     ):
         _, _, original = lookup(module, name)
