@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Forbidden imports and settings in the package.
+"""Source checks run by pre-commit: ``check_sources.py spdx|imports FILE...``.
 
+spdx: every Python file carries this project's SPDX header, never vLLM's.
+
+imports: forbidden imports and settings in the package.
 - No module of ``vllm_dcp_geometry`` imports vLLM or torch at module level:
   importing the package must stay cheap, and patches apply when vLLM's own
   modules load, not when ours do. Import them inside functions (or under
@@ -16,7 +19,29 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+LICENSE = "# SPDX-License-Identifier: Apache-2.0"
+COPYRIGHT = (
+    "# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project"
+)
+# Split so this file does not itself carry the line it looks for.
+FOREIGN = "contributors to the " + "vllm project"
+
+
+def spdx_problems(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    if lines and lines[0].startswith("#!"):
+        lines = lines[1:]
+    found = []
+    if lines[:2] != [LICENSE, COPYRIGHT]:
+        found.append(f"{path}: must start with\n  {LICENSE}\n  {COPYRIGHT}")
+    if FOREIGN in text.lower():
+        found.append(f"{path}: carries vLLM's copyright line; only our own code here")
+    return found
+
 
 HEAVY = {"vllm", "torch", "triton"}
 TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
@@ -47,7 +72,7 @@ def _top_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
     return found
 
 
-def problems(path: Path) -> list[str]:
+def import_problems(path: Path) -> list[str]:
     if "vllm_dcp_geometry" not in path.parts:
         return []
     text = path.read_text(encoding="utf-8")
@@ -81,8 +106,18 @@ def problems(path: Path) -> list[str]:
     return found
 
 
+CHECKS: dict[str, Callable[[Path], list[str]]] = {
+    "spdx": spdx_problems,
+    "imports": import_problems,
+}
+
+
 def main(argv: list[str]) -> int:
-    found = [p for name in argv if name.endswith(".py") for p in problems(Path(name))]
+    if not argv or argv[0] not in CHECKS:
+        print(f"usage: check_sources.py {{{'|'.join(CHECKS)}}} FILE...")
+        return 2
+    check = CHECKS[argv[0]]
+    found = [p for name in argv[1:] if name.endswith(".py") for p in check(Path(name))]
     for line in found:
         print(line)
     return 1 if found else 0
