@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The benchmarks' pure parts: memory and capacity follow the contract, the
+workloads drive vLLM's real manager as described, results are well-formed.
+
+No timing is asserted here: timings are what ``python -m benchmarks`` reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import memory, scheduler
+from benchmarks.__main__ import validate_results
+from benchmarks.common import RESULTS_DIR, pair_summary
+from tests.subprocess_runner import run_python
+from vllm_dcp_geometry.contract import cdiv
+from vllm_dcp_geometry.topology import load_profile, profile_names
+
+PROFILES = profile_names()
+
+
+def _aligned(width: int, block_size: int, token_alignment: int | None) -> int:
+    # The runner's rule, restated: whole multiples of token_alignment tokens.
+    if token_alignment is None:
+        return width
+    step = token_alignment // math.gcd(token_alignment, block_size)
+    return cdiv(width, step) * step
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_block_table_memory_is_the_contract_minimum(name: str) -> None:
+    from vllm_dcp_geometry.cli import _vllm
+
+    topology = load_profile(name)
+    result = memory.block_table_memory(topology)
+    dcp = topology.decode_context_parallel_size
+    length = topology.max_model_len
+    per_column = 4 * topology.max_num_seqs
+    minimum = aligned = 0
+    widths = []
+    for group, row in zip(topology.groups, result["groups"], strict=True):
+        spec = _vllm.build_spec(group, topology, patched=True)
+        k = group.shard_count(dcp)
+        if group.is_attention:
+            need = cdiv(length, group.block_size * k)
+        else:
+            assert topology.mamba_cache_mode == "align"
+            need = cdiv(length, group.block_size) + group.spec_fields.get(
+                "num_speculative_blocks", 0
+            )
+        columns = _aligned(need, group.block_size, spec.block_table_token_alignment)
+        assert row["shard_count"] == k
+        assert row["minimum_width"] == row["width"] == need, group.name
+        assert row["aligned_width"] == columns, group.name
+        minimum += need
+        aligned += columns
+        widths.append(columns)
+    assert result["minimum_bytes"] == per_column * minimum
+    assert result["contract_bytes"] == per_column * aligned
+    assert result["single_width_bytes"] == per_column * max(widths) * len(widths)
+    assert result["minimum_bytes"] <= result["contract_bytes"]
+    assert result["contract_bytes"] <= result["single_width_bytes"]
+
+
+def test_default_profile_widths_match_the_contract_examples() -> None:
+    # The contract document's worked examples: L = 1,000,000, DCP16.
+    result = memory.block_table_memory(load_profile("kimi-k3-tp16-dcp16"))
+    by_kind: dict[str, set[tuple[int, int, int]]] = {}
+    for row in result["groups"]:
+        by_kind.setdefault(row["kind"], set()).add(
+            (row["shard_count"], row["minimum_width"], row["aligned_width"])
+        )
+    assert by_kind["mamba"] == {(1, 1310, 1310)}
+    # Sharded MLA (K = 16): 977 columns, 978 aligned to 128 tokens; the
+    # replicated draft (K = 1): 15,625, aligned 15,626.
+    assert by_kind["mla"] == {(16, 977, 978), (1, 15625, 15626)}
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_kv_capacity_uses_vllm_pages_and_the_contract(name: str) -> None:
+    from vllm_dcp_geometry.cli import _vllm
+
+    budget = 100 << 30
+    result = memory.kv_capacity(load_profile(name), budget_bytes=budget)
+    sized = load_profile(name).with_layout(max_model_len=result["request_tokens"])
+    dcp = sized.decode_context_parallel_size
+    config = _vllm.sizing_config(sized)
+    expected_bytes = 0
+    for group in sized.groups:
+        spec = _vllm.build_spec(group, sized, patched=True)
+        # vLLM's own per-request rule (patched: K-aware) for K as configured.
+        pages = _vllm.pages_per_request(spec, config)
+        if group.is_attention:
+            k = group.shard_count(dcp)
+            assert pages == cdiv(cdiv(result["request_tokens"], k), group.block_size)
+        expected_bytes += len(group.layers) * pages * spec.page_size_bytes
+    configured = result["configured"]
+    assert configured["request_bytes_per_rank"] == expected_bytes
+    assert configured["max_concurrent_requests"] == budget // expected_bytes
+    replicated, sharded = result["replicated"], result["sharded"]
+    for scenario in (replicated, sharded, configured):
+        assert scenario["max_concurrent_requests"] == (
+            budget // scenario["request_bytes_per_rank"]
+        )
+    assert (
+        replicated["max_concurrent_requests"]
+        <= configured["max_concurrent_requests"]
+        <= sharded["max_concurrent_requests"]
+    )
+    for group in sized.groups:
+        if not group.is_attention:
+            assert {
+                s["shard_counts"][group.name] for s in (replicated, sharded, configured)
+            } == {1}
+        else:
+            assert replicated["shard_counts"][group.name] == 1
+            assert sharded["shard_counts"][group.name] == dcp
+
+
+def test_replay_workload_drives_the_real_manager() -> None:
+    result = scheduler.measure("replay", 16, repeats=1)
+    assert result["mode"] == "patched"
+    assert result["best"]["allocations"] == cdiv(
+        scheduler.REPLAY_TOKENS, scheduler.REPLAY_STEP_TOKENS
+    )
+    assert result["best"]["calls"]["free"] == 1
+    assert result["scheduler_block_size"] == math.lcm(64 * 16, 768, 64)
+
+
+def test_many_request_prompts_share_prefixes_and_fit() -> None:
+    prompts = scheduler.many_request_tokens()
+    lengths = scheduler.many_request_lengths()
+    assert [len(p) for p in prompts] == lengths
+    assert len(prompts) == scheduler.MANY_REQUESTS
+    longest = scheduler.MANY_MAX_MODEL_LEN - scheduler.MANY_DECODE_STEPS
+    assert all(scheduler.MANY_MIN_PROMPT <= n < longest for n in lengths)
+    groups = len(scheduler.MANY_PREFIXES)
+    for i in range(groups, len(prompts)):
+        shared = min(
+            scheduler.MANY_PREFIXES[i % groups],
+            lengths[i] // 2,
+            lengths[i - groups] // 2,
+        )
+        assert prompts[i][:shared] == prompts[i - groups][:shared]
+    assert scheduler.many_request_tokens() == prompts  # deterministic
+
+
+def test_pair_summary() -> None:
+    summary = pair_summary([10.0, 20.0, 40.0], [11.0, 20.0, 38.0])
+    assert summary["unpatched_median"] == 20.0
+    assert summary["patched_median"] == 20.0
+    assert summary["ratio_min"] == pytest.approx(0.95)
+    assert summary["ratio_max"] == pytest.approx(1.1)
+    assert summary["ratio_median"] == 1.0
+    with pytest.raises(ValueError):
+        pair_summary([1.0], [])
+
+
+def test_entry_points_import_without_vllm() -> None:
+    out = run_python(
+        """
+        import json, sys
+        import benchmarks.__main__, benchmarks.common, benchmarks.memory
+        import benchmarks.scheduler, benchmarks.gpu_slot_mapping
+        print(json.dumps(sorted(m for m in ("vllm", "torch") if m in sys.modules)))
+        """,
+        patched=False,
+        cpu_prelude=False,
+    )
+    assert out == []
+
+
+def _recorded() -> list[Path]:
+    return sorted(RESULTS_DIR.glob("*-cpu.json"))
+
+
+@pytest.mark.skipif(not _recorded(), reason="no recorded CPU results")
+@pytest.mark.parametrize("path", _recorded(), ids=lambda p: p.name)
+def test_recorded_results_are_well_formed_and_current(path: Path) -> None:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    assert validate_results(doc) == []
+    assert {"scheduler", "startup", "memory"} <= set(doc["sections"])
+    assert {(r["workload"], r["dcp"]) for r in doc["scheduler"]} == {
+        ("replay", 16),
+        ("many", 1),
+        ("many", 16),
+    }
+    for row in doc["scheduler"]:
+        assert row["pairs"] >= 5
+        assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+    assert {m["profile"] for m in doc["memory"]} == set(PROFILES)
+    # The recorded block-table bytes are what the current code computes.
+    for recorded in doc["memory"]:
+        fresh = memory.block_table_memory(load_profile(recorded["profile"]))
+        for key in ("contract_bytes", "minimum_bytes", "single_width_bytes"):
+            assert recorded[key] == fresh[key], (recorded["profile"], key)
