@@ -20,7 +20,7 @@ import importlib.machinery
 import inspect
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal, Protocol
@@ -207,10 +207,12 @@ def add_attribute(owner: type, name: str, value: Any) -> None:
 
 
 def rebind_module_references(
-    original: Any, replacement: Any, prefix: str = "vllm"
+    replacements: Mapping[Any, Any], prefix: str = "vllm"
 ) -> list[str]:
-    """Point every loaded ``prefix.*`` module's global bound to ``original``
-    (``from x import f`` copies) at ``replacement``. Returns what changed."""
+    """Point every loaded ``prefix.*`` module's global bound to an original in
+    ``replacements`` (``from x import f`` copies) at its replacement, in one
+    pass over ``sys.modules``. Returns what changed."""
+    by_id = {id(original): new for original, new in replacements.items()}
     changed = []
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not (mod_name == prefix or mod_name.startswith(prefix + ".")):
@@ -219,8 +221,9 @@ def rebind_module_references(
         if not namespace:
             continue
         for attr, value in list(namespace.items()):
-            if value is original:
-                setattr(mod, attr, replacement)
+            new = by_id.get(id(value))
+            if new is not None and new is not value:
+                setattr(mod, attr, new)
                 changed.append(f"{mod_name}.{attr}")
     return changed
 

@@ -46,4 +46,4 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
 def apply(module: ModuleType) -> None:
     _, _, original = lookup(module, "kv_block_size")
     wrap(module, "kv_block_size", make_virtual_block_size_resolver)
-    rebind_module_references(original, module.kv_block_size)
+    rebind_module_references({original: module.kv_block_size})

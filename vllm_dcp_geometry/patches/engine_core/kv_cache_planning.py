@@ -102,6 +102,7 @@ def _make_get_global_kv_cache_groups(
 
 
 def apply(module: ModuleType) -> None:
+    replacements: dict[Any, Any] = {}
     for name, make in (
         ("unify_hybrid_kv_cache_specs", _make_unify),
         ("_layer_tp_replicas", _make_layer_tp_replicas),
@@ -109,4 +110,5 @@ def apply(module: ModuleType) -> None:
     ):
         _, _, original = lookup(module, name)
         wrap(module, name, make)
-        rebind_module_references(original, getattr(module, name))
+        replacements[original] = getattr(module, name)
+    rebind_module_references(replacements)

@@ -158,10 +158,12 @@ def _make_resolve_kv_cache_block_sizes(
 
 
 def apply(module: ModuleType) -> None:
+    replacements: dict[Any, Any] = {}
     for name, make in (
         ("resolve_dcp_kv_block_size", make_virtual_block_size_resolver),
         ("resolve_kv_cache_block_sizes", _make_resolve_kv_cache_block_sizes),
     ):
         _, _, original = lookup(module, name)
         wrap(module, name, make)
-        rebind_module_references(original, getattr(module, name))
+        replacements[original] = getattr(module, name)
+    rebind_module_references(replacements)
