@@ -21,6 +21,7 @@ from vllm_dcp_geometry.contract import (
     attention_block_table_width,
     full_attention_pages_per_request,
     recurrent_align_block_table_width,
+    virtual_block_size,
 )
 from vllm_dcp_geometry.topology import Topology, load_profile, profile_names
 
@@ -177,7 +178,11 @@ def kv_capacity(
                 pages = full_attention_pages_per_request(
                     request_tokens, group.block_size, k
                 )
-                per_token += layers * spec.page_size_bytes / (group.block_size * k)
+                per_token += (
+                    layers
+                    * spec.page_size_bytes
+                    / virtual_block_size(group.block_size, k)
+                )
             else:
                 pages = _vllm.pages_per_request(spec, config)
             request_bytes += layers * pages * spec.page_size_bytes

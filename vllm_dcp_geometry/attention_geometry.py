@@ -25,6 +25,9 @@ from vllm_dcp_geometry.contract import (
     check_interleave,
     shard_position,
 )
+from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+    upstream_shard_count,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -150,7 +153,7 @@ def resolve_group_geometry(
         dcp_rank=dcp_rank,
         shard_count=shard_count,
         interleave_size=interleave_size,
-        upstream_shard_count=dcp_world_size if kv_cache_spec.dcp_sharded else 1,
+        upstream_shard_count=upstream_shard_count(kv_cache_spec, dcp_world_size),
     )
     if not geometry.matches_upstream:
         try:

@@ -154,11 +154,6 @@ def upstream_method(spec: Any, name: str) -> Any:
     raise AttributeError(f"{type(spec).__name__} has no {name!r}")
 
 
-def upstream_shard_count(spec: Any, dcp_world_size: int) -> int:
-    """K vLLM 0.33.0 implies: D for a sharded spec, else 1."""
-    return dcp_world_size if spec.dcp_sharded else 1
-
-
 def pages_per_request(spec: Any, config: Any, *, upstream: bool = False) -> int:
     """Pages one max-length request takes from the pool for this group, by
     vLLM's own rule (``cdiv(max_memory_usage_bytes, page_size_bytes)``)."""

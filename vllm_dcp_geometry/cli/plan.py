@@ -21,6 +21,9 @@ from vllm_dcp_geometry.contract import (
     scheduler_block_size,
     virtual_block_size,
 )
+from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+    upstream_shard_count,
+)
 from vllm_dcp_geometry.topology import Topology, TopologyError
 
 BLOCK_TABLE_ENTRY_BYTES = 4
@@ -39,7 +42,7 @@ _DELTA_KEYS = (
 
 def _bytes_per_token(layers: int, page_bytes: int, block_size: int, k: int) -> float:
     # A rank stores 1/K of the positions of a K-sharded group.
-    return float(Fraction(layers * page_bytes, block_size * k))
+    return float(Fraction(layers * page_bytes, virtual_block_size(block_size, k)))
 
 
 def _geometry(
@@ -129,7 +132,7 @@ def build_plan(topology: Topology) -> dict[str, Any]:
         )
         upstream = _geometry(
             spec,
-            k=_vllm.upstream_shard_count(spec, dcp),
+            k=upstream_shard_count(spec, dcp),
             width=_vllm.upstream_method(spec, "max_num_blocks_per_req")(config, length),
             pages=_vllm.pages_per_request(spec, config, upstream=True),
             **common,
