@@ -7,6 +7,7 @@ they live here and never in library code.
 """
 
 import os
+from collections.abc import Iterator
 
 # An empty (not unset) CUDA_VISIBLE_DEVICES keeps vLLM's Triton check on with
 # no GPU; the interpreter then runs the real @triton.jit kernels on CPU tensors.
@@ -17,6 +18,18 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import pytest
 
 from tests.subprocess_runner import run_python  # noqa: F401
+
+
+@pytest.fixture
+def v2_on_cpu() -> Iterator[None]:
+    """Model Runner V2's block tables on CPU (no UVA, CPU device type)."""
+    from tests import worker_harness
+
+    undo = worker_harness.enable_v2_on_cpu()
+    try:
+        yield
+    finally:
+        undo()
 
 
 def _disable_pinned_memory() -> None:

@@ -42,6 +42,20 @@ def make_vllm_config(
     )
 
 
+def mamba_align() -> Any:
+    """A recurrent spec in align mode: block 768, 7 speculative blocks."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=768,
+        shapes=((4, 2048),),
+        dtypes=(torch.bfloat16,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=7,
+    )
+
+
 def build_specs() -> dict[str, Any]:
     """Every spec type, with non-default fields where that matters."""
     import torch

@@ -12,7 +12,7 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
 
-from tests.spec_catalogue import answers, build_specs, make_vllm_config
+from tests.spec_catalogue import answers, build_specs, make_vllm_config, mamba_align
 from tests.subprocess_runner import run_python
 from vllm_dcp_geometry import DcpGeometryError, with_dcp_kv_shard_count
 from vllm_dcp_geometry import contract as c
@@ -24,16 +24,6 @@ MLA = {"num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
 
 def full(block_size: int = 64, **kw: object) -> k.FullAttentionSpec:
     return k.FullAttentionSpec(block_size=block_size, **ATTN, **kw)  # type: ignore[arg-type]
-
-
-def mamba_align() -> k.MambaSpec:
-    return k.MambaSpec(
-        block_size=768,
-        shapes=((4, 2048),),
-        dtypes=(torch.bfloat16,),
-        mamba_cache_mode="align",
-        num_speculative_blocks=7,
-    )
 
 
 def test_module_function_and_method_exist() -> None:

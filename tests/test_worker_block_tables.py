@@ -9,7 +9,6 @@ themselves are checked rank by rank in ``test_worker_slot_mapping.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +19,7 @@ from vllm.v1 import kv_cache_interface as k
 
 from tests import worker_harness as h
 from tests.spec_catalogue import make_vllm_config as make_carrier_config
+from tests.spec_catalogue import mamba_align
 from vllm_dcp_geometry import DcpGeometryError, plugin
 from vllm_dcp_geometry import contract as c
 from vllm_dcp_geometry._patching import original_of
@@ -44,27 +44,8 @@ MLA = {"num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
 L = 1_000_000
 
 
-@pytest.fixture
-def v2_on_cpu() -> Iterator[None]:
-    undo = h.enable_v2_on_cpu()
-    try:
-        yield
-    finally:
-        undo()
-
-
 def full(block_size: int = 64, **kw: Any) -> k.FullAttentionSpec:
     return k.FullAttentionSpec(block_size=block_size, **ATTN, **kw)
-
-
-def mamba_align() -> k.MambaSpec:
-    return k.MambaSpec(
-        block_size=768,
-        shapes=((4, 2048),),
-        dtypes=(torch.bfloat16,),
-        mamba_cache_mode="align",
-        num_speculative_blocks=7,
-    )
 
 
 def test_worker_patches_apply_and_wrap_upstream() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +32,6 @@ from vllm_dcp_geometry.patches.worker.gpu_model_runner_v2 import group_shard_cou
 REPO = str(Path(__file__).resolve().parents[1])
 ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
 MLA = {"num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
-
-
-@pytest.fixture
-def v2_on_cpu() -> Iterator[None]:
-    undo = h.enable_v2_on_cpu()
-    try:
-        yield
-    finally:
-        undo()
 
 
 def attention(block_size: int, shard_count: int, dcp: int) -> k.FullAttentionSpec:

@@ -228,6 +228,20 @@ def rebind_module_references(
     return changed
 
 
+def wrap_module_functions(
+    module: ModuleType,
+    wrappers: Mapping[str, Callable[[Callable[..., Any]], Callable[..., Any]]],
+) -> list[str]:
+    """``wrap`` module-level functions, then rebind the copies other loaded
+    vLLM modules took with ``from module import f`` (one pass for all)."""
+    replacements: dict[Any, Any] = {}
+    for name, make_wrapper in wrappers.items():
+        _, _, original = lookup(module, name)
+        wrap(module, name, make_wrapper)
+        replacements[original] = getattr(module, name)
+    return rebind_module_references(replacements)
+
+
 # Post-import hooks --------------------------------------------------------------
 
 

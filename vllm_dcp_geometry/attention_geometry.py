@@ -302,6 +302,16 @@ def mask_combine(combine: Callable[..., Any], replica: int) -> Callable[..., Any
 _partial_shard_builders: set[type] = set()
 
 
+def partial_shard_refusal(
+    geometry: GroupAttentionGeometry, what: str, remedy: str
+) -> DcpGeometryError:
+    """The start-up error of a backend that cannot honour a group's partial K."""
+    return DcpGeometryError(
+        f"{geometry.owner}: {what} cannot honour a partial DCP shard count "
+        f"K={geometry.shard_count} with D={geometry.dcp_world_size}. {remedy}"
+    )
+
+
 def register_partial_shard_builder(builder_cls: type) -> None:
     """Declare that this exact builder class (not its subclasses) honours a
     partial shard count; every other builder rejects one at start-up."""

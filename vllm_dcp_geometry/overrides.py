@@ -298,6 +298,13 @@ def layer_kind(spec: Any) -> LayerKind:
     return LayerKind.UNSUPPORTED
 
 
+def _context_parallel_sizes(parallel_config: Any) -> tuple[int, int]:
+    return (
+        parallel_config.decode_context_parallel_size,
+        getattr(parallel_config, "prefill_context_parallel_size", 1),
+    )
+
+
 def apply_to_kv_cache_specs(
     kv_cache_spec: dict[str, Any], vllm_config: Any
 ) -> dict[str, Any]:
@@ -312,8 +319,7 @@ def apply_to_kv_cache_specs(
     import dataclasses
 
     parallel = vllm_config.parallel_config
-    dcp = parallel.decode_context_parallel_size
-    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    dcp, pcp = _context_parallel_sizes(parallel)
     # A pipeline stage only holds its own layers; the engine core checks the
     # union of every worker's layers instead.
     stage_holds_all_layers = getattr(parallel, "pipeline_parallel_size", 1) == 1
@@ -324,11 +330,7 @@ def apply_to_kv_cache_specs(
     for name, override in chosen.items():
         spec = kv_cache_spec[name]
         geometry = target_geometry(
-            name,
-            override,
-            layer_kind(spec),
-            dcp_world_size=dcp,
-            pcp_world_size=pcp,
+            name, override, layer_kind(spec), dcp_world_size=dcp, pcp_world_size=pcp
         )
         if geometry is None:
             continue
@@ -352,8 +354,7 @@ def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -
     if not overrides:
         return
     parallel = vllm_config.parallel_config
-    dcp = parallel.decode_context_parallel_size
-    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    dcp, pcp = _context_parallel_sizes(parallel)
     union: dict[str, list[Any]] = {}
     for specs in worker_specs:
         for name, spec in specs.items():
@@ -362,11 +363,7 @@ def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -
     for name, override in chosen.items():
         for spec in union[name]:
             geometry = target_geometry(
-                name,
-                override,
-                layer_kind(spec),
-                dcp_world_size=dcp,
-                pcp_world_size=pcp,
+                name, override, layer_kind(spec), dcp_world_size=dcp, pcp_world_size=pcp
             )
             if geometry is None:
                 continue

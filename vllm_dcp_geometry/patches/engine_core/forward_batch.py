@@ -23,9 +23,7 @@ from types import ModuleType
 
 from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
-    lookup,
-    rebind_module_references,
-    wrap,
+    wrap_module_functions,
 )
 from vllm_dcp_geometry.patches.engine_core.kv_cache_utils import (
     make_virtual_block_size_resolver,
@@ -44,6 +42,4 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
 
 
 def apply(module: ModuleType) -> None:
-    _, _, original = lookup(module, "kv_block_size")
-    wrap(module, "kv_block_size", make_virtual_block_size_resolver)
-    rebind_module_references({original: module.kv_block_size})
+    wrap_module_functions(module, {"kv_block_size": make_virtual_block_size_resolver})

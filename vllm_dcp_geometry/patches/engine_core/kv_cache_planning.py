@@ -32,9 +32,7 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
-    lookup,
-    rebind_module_references,
-    wrap,
+    wrap_module_functions,
 )
 from vllm_dcp_geometry.overrides import check_applied
 from vllm_dcp_geometry.patches.common.kv_cache_interface import (
@@ -102,13 +100,11 @@ def _make_get_global_kv_cache_groups(
 
 
 def apply(module: ModuleType) -> None:
-    replacements: dict[Any, Any] = {}
-    for name, make in (
-        ("unify_hybrid_kv_cache_specs", _make_unify),
-        ("_layer_tp_replicas", _make_layer_tp_replicas),
-        ("get_global_kv_cache_groups", _make_get_global_kv_cache_groups),
-    ):
-        _, _, original = lookup(module, name)
-        wrap(module, name, make)
-        replacements[original] = getattr(module, name)
-    rebind_module_references(replacements)
+    wrap_module_functions(
+        module,
+        {
+            "unify_hybrid_kv_cache_specs": _make_unify,
+            "_layer_tp_replicas": _make_layer_tp_replicas,
+            "get_global_kv_cache_groups": _make_get_global_kv_cache_groups,
+        },
+    )

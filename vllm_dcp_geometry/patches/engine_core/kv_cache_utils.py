@@ -30,9 +30,7 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
-    lookup,
-    rebind_module_references,
-    wrap,
+    wrap_module_functions,
 )
 from vllm_dcp_geometry.contract import DcpGeometryError, virtual_block_size
 from vllm_dcp_geometry.patches.common.kv_cache_interface import (
@@ -158,12 +156,10 @@ def _make_resolve_kv_cache_block_sizes(
 
 
 def apply(module: ModuleType) -> None:
-    replacements: dict[Any, Any] = {}
-    for name, make in (
-        ("resolve_dcp_kv_block_size", make_virtual_block_size_resolver),
-        ("resolve_kv_cache_block_sizes", _make_resolve_kv_cache_block_sizes),
-    ):
-        _, _, original = lookup(module, name)
-        wrap(module, name, make)
-        replacements[original] = getattr(module, name)
-    rebind_module_references(replacements)
+    wrap_module_functions(
+        module,
+        {
+            "resolve_dcp_kv_block_size": make_virtual_block_size_resolver,
+            "resolve_kv_cache_block_sizes": _make_resolve_kv_cache_block_sizes,
+        },
+    )

@@ -106,11 +106,10 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         device: Any,
     ) -> None:
         geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is None:
+        if geometry is None or geometry.matches_upstream:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
-            return
-        if geometry.matches_upstream:
-            original(self, kv_cache_spec, layer_names, vllm_config, device)
+            if geometry is None:
+                return
         else:
             with active_group_geometry(geometry):
                 original(self, kv_cache_spec, layer_names, vllm_config, device)

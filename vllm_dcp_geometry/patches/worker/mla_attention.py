@@ -26,8 +26,10 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.attention_geometry import resolve_group_geometry
-from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.attention_geometry import (
+    partial_shard_refusal,
+    resolve_group_geometry,
+)
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 PROCESS = "worker"
@@ -60,12 +62,12 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
     ) -> None:
         geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
         if geometry is not None and geometry.is_partial:
-            raise DcpGeometryError(
-                f"{geometry.owner}: {type(self).__name__} (MLA) cannot honour a "
-                f"partial DCP shard count K={geometry.shard_count} with "
-                f"D={geometry.dcp_world_size}: MLA sizes its workspaces and "
-                "splits its context over the whole DCP group. Use K=1 "
-                "('replicated') or K=D ('sharded') for MLA layers."
+            raise partial_shard_refusal(
+                geometry,
+                f"{type(self).__name__} (MLA)",
+                "MLA sizes its workspaces and splits its context over the whole "
+                "DCP group. Use K=1 ('replicated') or K=D ('sharded') for MLA "
+                "layers.",
             )
         original(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
 

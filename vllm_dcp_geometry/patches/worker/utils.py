@@ -27,9 +27,9 @@ from typing import Any
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_geometry import (
     builder_supports_partial_shards,
+    partial_shard_refusal,
     resolve_group_geometry,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError
 
 UPSTREAM_MODULE = "vllm.v1.worker.utils"
 PROCESS = "worker"
@@ -59,12 +59,12 @@ def check_backend_honours_shard_count(group: Any, vllm_config: Any) -> None:
     builder_cls = group.backend.get_builder_cls()
     if builder_supports_partial_shards(builder_cls):
         return
-    raise DcpGeometryError(
-        f"{geometry.owner} (KV-cache group {group.kv_cache_group_id}): attention "
-        f"backend {group.backend.get_name()} ({builder_cls.__qualname__}) cannot "
-        f"honour a partial DCP shard count K={geometry.shard_count} with "
-        f"D={geometry.dcp_world_size}. Use K=1 ('replicated'), K=D ('sharded'), "
-        "or the FLASH_ATTN / FLASHINFER backend for this group."
+    raise partial_shard_refusal(
+        geometry,
+        f"KV-cache group {group.kv_cache_group_id}: attention backend "
+        f"{group.backend.get_name()} ({builder_cls.__qualname__})",
+        "Use K=1 ('replicated'), K=D ('sharded'), or the FLASH_ATTN / "
+        "FLASHINFER backend for this group.",
     )
 
 
