@@ -64,15 +64,10 @@ def _build_tables(
     names = [g.name for g in topology.groups]
     pin = device.type == "cuda"
     if patched:
-        from vllm_dcp_geometry.patches.worker.block_table import block_table_layout
+        from vllm_dcp_geometry.geometry import block_table_layout
 
         layout = block_table_layout(
-            list(zip(names, specs, strict=True)),
-            config,
-            MAX_LEN,
-            dcp,
-            DCP_RANK,
-            interleave,
+            list(zip(names, specs, strict=True)), config, MAX_LEN, dcp, DCP_RANK
         )
         tables = MultiGroupBlockTable(
             max_reqs,
@@ -119,14 +114,14 @@ def _fill(tables: Any, batch: tuple[int, int, int], seed: int) -> tuple[Any, Any
     import numpy as np
     import torch
 
-    from vllm_dcp_geometry.contract import cdiv
+    from vllm_dcp_geometry.contract import cdiv, virtual_block_size
 
     num_reqs, new_tokens, context = batch
     rng = np.random.default_rng(seed)
     rows_by_group = []
     for table in tables.block_tables:
-        virtual = table.block_size * table.dcp_world_size
-        need = cdiv(context, virtual)
+        # Under the patch a table's dcp_world_size is its group's K.
+        need = cdiv(context, virtual_block_size(table.block_size, table.dcp_world_size))
         width = table.block_table.np.shape[1]
         need = min(need, width)
         ids = rng.permutation(num_reqs * need * 2)[: num_reqs * need] + 1
@@ -291,6 +286,60 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _run_pairs(pairs: int, cuda: bool) -> dict[str, list[dict[str, Any]]]:
+    """Alternate unpatched/patched child processes, ``pairs`` times."""
+    from benchmarks.common import run_child
+
+    extra_env = {} if cuda else _cpu_switches()
+    runs: dict[str, list[dict[str, Any]]] = {"unpatched": [], "patched": []}
+    for pair in range(pairs):
+        for mode in ("unpatched", "patched"):
+            print(f"  pair {pair + 1}/{pairs}: {mode}", file=sys.stderr, flush=True)
+            argv_child = ["-m", "benchmarks.gpu_slot_mapping", "--child", mode]
+            if not cuda:
+                argv_child.append("--allow-cpu")
+            runs[mode].append(
+                run_child(argv_child, patched=mode == "patched", extra_env=extra_env)
+            )
+    return runs
+
+
+def _summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per profile and batch: ratios over the pairs, mismatches."""
+    from benchmarks.common import pair_summary
+
+    rows = []
+    for i, first in enumerate(runs["patched"][0]["results"]):
+        unpatched = [r["results"][i] for r in runs["unpatched"]]
+        patched = [r["results"][i] for r in runs["patched"]]
+        row = {k: first[k] for k in ("profile", "batch", "requests", "tokens")}
+        row["shard_counts"] = {
+            "patched": first["shard_counts"],
+            "unpatched": unpatched[0]["shard_counts"],
+        }
+        for metric in ("slot_mapping_us", "commit_and_slot_mapping_us"):
+            row[metric] = pair_summary(
+                [r[metric] for r in unpatched], [r[metric] for r in patched]
+            )
+        row["contract_mismatches"] = sorted(
+            {m for r in patched for m in r["contract_mismatches"]}
+        )
+        rows.append(row)
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        s = row["slot_mapping_us"]
+        print(
+            f"{row['profile']:<24} {row['batch']:<8} {row['tokens']:>6} tokens: "
+            f"unpatched {s['unpatched_median']:8.1f} us, patched "
+            f"{s['patched_median']:8.1f} us, ratio {s['ratio_median']:.3f} "
+            f"[{s['ratio_min']:.3f}-{s['ratio_max']:.3f}]"
+            + (" CONTRACT MISMATCH" if row["contract_mismatches"] else "")
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_slot_mapping")
     parser.add_argument("--pairs", type=int, default=5)
@@ -309,47 +358,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child == "patched", cpu)))
         return 0
 
-    from benchmarks.common import (
-        RESULTS_DIR,
-        machine_info,
-        pair_summary,
-        run_child,
-        versions,
-    )
+    from benchmarks.common import RESULTS_DIR, machine_info, versions
 
     cuda = _cuda_available()
     if not cuda and not args.allow_cpu:
         print("no CUDA device: GPU slot-mapping benchmark skipped")
         return 0
-    extra_env = {} if cuda else _cpu_switches()
     pairs = args.pairs if cuda else 1
-    runs: dict[str, list[dict[str, Any]]] = {"unpatched": [], "patched": []}
-    for pair in range(pairs):
-        for mode in ("unpatched", "patched"):
-            print(f"  pair {pair + 1}/{pairs}: {mode}", file=sys.stderr, flush=True)
-            argv_child = ["-m", "benchmarks.gpu_slot_mapping", "--child", mode]
-            if not cuda:
-                argv_child.append("--allow-cpu")
-            runs[mode].append(
-                run_child(argv_child, patched=mode == "patched", extra_env=extra_env)
-            )
-    rows = []
-    for i, first in enumerate(runs["patched"][0]["results"]):
-        unpatched = [r["results"][i] for r in runs["unpatched"]]
-        patched = [r["results"][i] for r in runs["patched"]]
-        row = {k: first[k] for k in ("profile", "batch", "requests", "tokens")}
-        row["shard_counts"] = {
-            "patched": first["shard_counts"],
-            "unpatched": unpatched[0]["shard_counts"],
-        }
-        for metric in ("slot_mapping_us", "commit_and_slot_mapping_us"):
-            row[metric] = pair_summary(
-                [r[metric] for r in unpatched], [r[metric] for r in patched]
-            )
-        row["contract_mismatches"] = sorted(
-            {m for r in patched for m in r["contract_mismatches"]}
-        )
-        rows.append(row)
+    runs = _run_pairs(pairs, cuda)
+    rows = _summarise(runs)
     doc = {
         "date": datetime.date.today().isoformat(),
         **versions(),
@@ -364,15 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or RESULTS_DIR / f"{doc['date']}-{suffix}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    for row in rows:
-        s = row["slot_mapping_us"]
-        print(
-            f"{row['profile']:<24} {row['batch']:<8} {row['tokens']:>6} tokens: "
-            f"unpatched {s['unpatched_median']:8.1f} us, patched "
-            f"{s['patched_median']:8.1f} us, ratio {s['ratio_median']:.3f} "
-            f"[{s['ratio_min']:.3f}-{s['ratio_max']:.3f}]"
-            + (" CONTRACT MISMATCH" if row["contract_mismatches"] else "")
-        )
+    _print_rows(rows)
     print(f"results: {output}")
     return 1 if any(r["contract_mismatches"] for r in rows) else 0
 

@@ -52,22 +52,16 @@ def cpu_platform(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(current_platform, "device_type", "cpu", raising=False)
 
 
-def make_vllm_config(dcp_world_size: int, interleave_size: int, **parallel: Any) -> Any:
-    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+def tiny_model_config(dcp_world_size: int, interleave_size: int) -> Any:
+    """A real ``VllmConfig`` of the tiny model at TP16 with DCP ``D``."""
+    from tests.vllm_configs import make_vllm_config
 
-    model_config = ModelConfig(
-        model=str(tiny_model_dir()),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=4096,
+    return make_vllm_config(
+        dcp_world_size,
+        interleave=interleave_size,
+        tp=TENSOR_PARALLEL_SIZE,
+        model_dir=tiny_model_dir(),
     )
-    parallel_config = ParallelConfig(
-        tensor_parallel_size=TENSOR_PARALLEL_SIZE,
-        decode_context_parallel_size=dcp_world_size,
-        cp_kv_cache_interleave_size=interleave_size,
-        **parallel,
-    )
-    return VllmConfig(model_config=model_config, parallel_config=parallel_config)
 
 
 def set_dcp_group(monkeypatch: pytest.MonkeyPatch, world_size: int, rank: int) -> None:

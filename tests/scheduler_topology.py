@@ -17,8 +17,9 @@ Topology (block size B = 64 for attention):
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
+
+from tests.vllm_configs import make_vllm_config
 
 ATTENTION_BLOCK = 64
 MAMBA_BLOCK = 768
@@ -27,35 +28,11 @@ PARTIAL_K = 4
 GROUP_NAMES = ("sharded", "partial", "draft", "mamba")
 
 
-def make_vllm_config(
-    dcp: int,
-    *,
-    max_model_len: int = 1_000_000,
-    enable_prefix_caching: bool = True,
-    pcp: int = 1,
-) -> Any:
-    """Real ParallelConfig/CacheConfig in a carrier (``VllmConfig`` needs a
-    device); the scheduler-side functions read only these fields."""
-    from vllm.config import CacheConfig, ParallelConfig
-
-    parallel = ParallelConfig(
-        tensor_parallel_size=max(dcp // pcp, 1),
-        decode_context_parallel_size=dcp,
-        prefill_context_parallel_size=pcp,
-    )
-    cache = CacheConfig(
-        block_size=ATTENTION_BLOCK,
-        mamba_cache_mode="align",
-        enable_prefix_caching=enable_prefix_caching,
-    )
-    return SimpleNamespace(
-        parallel_config=parallel,
-        cache_config=cache,
-        model_config=SimpleNamespace(max_model_len=max_model_len),
-        kv_transfer_config=None,
-        speculative_config=None,
-        additional_config={},
-    )
+def scheduler_config(dcp: int, **kwargs: Any) -> Any:
+    """The shared test config with this topology's cache block size and
+    prefix caching on (unless told otherwise)."""
+    kwargs.setdefault("enable_prefix_caching", True)
+    return make_vllm_config(dcp, cache_block_size=ATTENTION_BLOCK, **kwargs)
 
 
 def attention_spec(**kwargs: Any) -> Any:
@@ -125,7 +102,7 @@ def make_manager(
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     config = make_kv_cache_config(specs, num_blocks)
-    vllm_config = make_vllm_config(
+    vllm_config = scheduler_config(
         dcp, max_model_len=max_model_len, enable_prefix_caching=enable_caching
     )
     scheduler_block, hash_block = resolve_kv_cache_block_sizes(config, vllm_config)
@@ -259,7 +236,7 @@ def long_request_scenario(
         request.num_computed_tokens += n
         for g, ids in enumerate(manager.get_block_ids("long")):
             widest[g] = max(widest[g], len(ids))
-    config = make_vllm_config(dcp, max_model_len=length)
+    config = scheduler_config(dcp, max_model_len=length)
     return {
         "scheduler_block": scheduler_block,
         "widest": widest,

@@ -10,36 +10,9 @@ from __future__ import annotations
 
 import pickle
 from fractions import Fraction
-from types import SimpleNamespace
 from typing import Any
 
-
-def make_vllm_config(
-    dcp: int,
-    max_model_len: int = 1_000_000,
-    mamba_cache_mode: str = "align",
-    pcp: int = 1,
-) -> Any:
-    """Real ParallelConfig and CacheConfig in a carrier object.
-
-    ``VllmConfig`` itself cannot be built without a device; the spec methods
-    read only these sub-configs and two scalars.
-    """
-    from vllm.config import CacheConfig, ParallelConfig
-
-    parallel = ParallelConfig(
-        tensor_parallel_size=max(dcp, 1),
-        decode_context_parallel_size=dcp,
-        prefill_context_parallel_size=pcp,
-    )
-    cache = CacheConfig(mamba_cache_mode=mamba_cache_mode)
-    return SimpleNamespace(
-        parallel_config=parallel,
-        cache_config=cache,
-        model_config=SimpleNamespace(max_model_len=max_model_len),
-        scheduler_config=SimpleNamespace(max_num_encoder_input_tokens=1500),
-        max_in_flight_tokens=8192,
-    )
+from tests.vllm_configs import make_vllm_config
 
 
 def mamba_align() -> Any:

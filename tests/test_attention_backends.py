@@ -16,8 +16,8 @@ from tests.attention_support import (
     decode_batch,
     full_attention_spec,
     make_attention_layer,
-    make_vllm_config,
     set_dcp_group,
+    tiny_model_config,
 )
 from tests.subprocess_runner import run_python
 from vllm_dcp_geometry.attention_geometry import BOUND_GEOMETRY_ATTR
@@ -47,7 +47,7 @@ def test_mla_builder_rejects_partial_shard_count(
     )
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder
 
-    vllm_config = make_vllm_config(4, 1)
+    vllm_config = tiny_model_config(4, 1)
     set_dcp_group(monkeypatch, 4, 3)
     for builder_cls in (MLACommonMetadataBuilder, TritonMLAMetadataBuilder):
         with pytest.raises(DcpGeometryError) as excinfo:
@@ -76,7 +76,7 @@ def test_partial_group_needs_a_backend_that_honours_it(
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.worker.utils import AttentionGroup
 
-    vllm_config = make_vllm_config(8, 1)
+    vllm_config = tiny_model_config(8, 1)
     set_dcp_group(monkeypatch, 8, 6)
     for backend, spec in (
         (TritonMLABackend, _mla_spec(2)),
@@ -103,7 +103,7 @@ def test_partial_group_needs_a_backend_that_honours_it(
 def test_partial_group_with_pcp_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
 
-    vllm_config = make_vllm_config(4, 1)
+    vllm_config = tiny_model_config(4, 1)
     # PCP is read from the config; the config validator needs a real PCP group.
     monkeypatch.setattr(vllm_config.parallel_config, "prefill_context_parallel_size", 2)
     set_dcp_group(monkeypatch, 4, 1)
@@ -126,13 +126,13 @@ from vllm.distributed import parallel_state
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend, FlashAttentionMetadataBuilder)
 from tests.attention_support import (
-    decode_batch, full_attention_spec, make_attention_layer, make_vllm_config)
+    decode_batch, full_attention_spec, make_attention_layer, tiny_model_config)
 
 def probe(dcp, rank, interleave, seq_lens):
     parallel_state._DCP = (
         types.SimpleNamespace(world_size=dcp, rank_in_group=rank) if dcp > 1 else None
     )
-    config = make_vllm_config(dcp, interleave)
+    config = tiny_model_config(dcp, interleave)
     name = "model.layers.0.self_attn.attn"
     layer = make_attention_layer(config, name, FlashAttentionBackend)
     builder = FlashAttentionMetadataBuilder(
@@ -171,7 +171,7 @@ print(json.dumps([probe(d, r, i, {SEQ_LENS!r})
         HAND_BACK_CASES, unpatched, strict=True
     ):
         set_dcp_group(monkeypatch, dcp, rank)
-        vllm_config = make_vllm_config(dcp, interleave)
+        vllm_config = tiny_model_config(dcp, interleave)
         layer = make_attention_layer(
             vllm_config, LAYER, namespace["FlashAttentionBackend"]
         )

@@ -22,12 +22,10 @@ import torch
 
 from tests.attention_support import triton_interpreter_constexprs  # noqa: F401
 from vllm_dcp_geometry.attention_geometry import (
-    GroupAttentionGeometry,
-    group_attention_geometry,
     group_local_seq_lens,
     mask_combine,
 )
-from vllm_dcp_geometry.contract import cdiv, reference_slot_mapping
+from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
 
 BLOCK_SIZE = 8
 HEAD_DIM = 16
@@ -105,7 +103,7 @@ def attend(
 class Rank:
     """One simulated DCP rank: its paged cache holds the group's shard."""
 
-    def __init__(self, batch: Batch, geometry: GroupAttentionGeometry) -> None:
+    def __init__(self, batch: Batch, geometry: GroupGeometry) -> None:
         self.geometry = geometry
         self.k_cache = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, HEAD_DIM)
         self.v_cache = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, HEAD_DIM)
@@ -211,13 +209,13 @@ def dcp_attention(
     ranks = [
         Rank(
             batch,
-            group_attention_geometry(
+            GroupGeometry(
                 owner="test group",
                 dcp_world_size=dcp,
                 dcp_rank=r,
                 shard_count=shard_count,
                 interleave_size=interleave,
-                upstream_shard_count=dcp,
+                default_shard_count=dcp,
             ),
         )
         for r in range(dcp)

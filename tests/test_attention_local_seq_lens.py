@@ -21,16 +21,15 @@ from tests.attention_support import (
     divisors,
     full_attention_spec,
     make_attention_layer,
-    make_vllm_config,
     set_dcp_group,
+    tiny_model_config,
 )
 from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
     ReplicaMaskedCombine,
-    active_group_geometry,
-    group_attention_geometry,
 )
-from vllm_dcp_geometry.contract import local_seq_len
+from vllm_dcp_geometry.contract import GroupGeometry, local_seq_len
+from vllm_dcp_geometry.group_context import use_group_geometry
 
 BLOCK_SIZE = 32
 DCP_SIZES = (1, 2, 4, 8, 16)
@@ -57,7 +56,7 @@ def test_flash_attn_builder_local_lengths_follow_the_group(
     contexts = [n - 1 for n in SEQ_LENS]
     checked = 0
     for interleave in INTERLEAVES:
-        vllm_config = make_vllm_config(dcp, interleave)
+        vllm_config = tiny_model_config(dcp, interleave)
         for k in divisors(dcp):
             for rank in range(dcp):
                 set_dcp_group(monkeypatch, dcp, rank)
@@ -131,20 +130,20 @@ def test_flashinfer_local_lengths_follow_the_group(dcp: int) -> None:
     for interleave in INTERLEAVES:
         for k in divisors(dcp):
             for rank in range(dcp):
-                geometry = group_attention_geometry(
+                geometry = GroupGeometry(
                     owner="test group",
                     dcp_world_size=dcp,
                     dcp_rank=rank,
                     shard_count=k,
                     interleave_size=interleave,
-                    upstream_shard_count=dcp,
+                    default_shard_count=dcp,
                 )
                 expected = _expected(SEQ_LENS, k, rank % k, interleave)
                 upstream = flashinfer.get_dcp_local_seq_lens(
                     seq, dcp, rank, interleave
                 ).tolist()
                 assert upstream == _expected(SEQ_LENS, dcp, rank, interleave)
-                with active_group_geometry(geometry):
+                with use_group_geometry(geometry):
                     answered = flashinfer.get_dcp_local_seq_lens(
                         seq, dcp, rank, interleave
                     ).tolist()
@@ -179,7 +178,7 @@ def test_partial_builder_is_bound_to_its_group(monkeypatch: pytest.MonkeyPatch) 
 
     from vllm_dcp_geometry.contract import DcpGeometryError
 
-    vllm_config = make_vllm_config(8, 1)
+    vllm_config = tiny_model_config(8, 1)
     set_dcp_group(monkeypatch, 8, 5)
     name = "model.layers.0.self_attn.attn"
     make_attention_layer(vllm_config, name, FlashAttentionBackend)

@@ -10,10 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm.v1.worker.block_table import get_block_table_width
+
 from tests.subprocess_runner import run_python
 from vllm_dcp_geometry.cli import EXIT_OK, main
 from vllm_dcp_geometry.contract import (
-    aligned_block_table_width,
     attention_block_table_width,
     recurrent_align_block_table_width,
 )
@@ -50,8 +51,8 @@ def test_default_profile_widths_follow_the_contract(capsys):
     assert draft["block_table_width_aligned"] == 15_626
     for g in plan["groups"]:
         alignment = None if g["kind"] == "mamba" else 128
-        aligned = aligned_block_table_width(
-            g["block_table_width"], g["block_size"], alignment
+        aligned = get_block_table_width(
+            g["block_table_width"], g["block_size"], token_alignment=alignment
         )
         assert g["block_table_width_aligned"] == aligned
         assert g["block_table_bytes_per_rank"] == seqs * aligned * 4

@@ -77,14 +77,39 @@ def test_rule7_aggregate_needs_one_count() -> None:
         c.resolve_uniform_shard_count("g", {"a": 4, "b": 16})
 
 
+def rank_geometry(rank: int, k: int, dcp: int, default: int | None = None):
+    return c.GroupGeometry("layers.0", k, dcp, rank, default_shard_count=default)
+
+
 def test_shard_and_replica_of_a_rank() -> None:
-    assert c.shard_position(5, 4, 16) == c.ShardPosition(shard=1, replica=1)
-    assert c.shard_position(15, 16, 16) == c.ShardPosition(shard=15, replica=0)
-    assert c.shard_position(15, 1, 16) == c.ShardPosition(shard=0, replica=15)
-    with pytest.raises(DcpGeometryError, match="outside"):
-        c.shard_position(16, 4, 16)
-    with pytest.raises(DcpGeometryError, match="must divide"):
-        c.shard_position(1, 3, 16)
+    assert (rank_geometry(5, 4, 16).shard, rank_geometry(5, 4, 16).replica) == (1, 1)
+    assert rank_geometry(15, 16, 16).shard_world == (16, 15)
+    assert (rank_geometry(15, 1, 16).shard, rank_geometry(15, 1, 16).replica) == (0, 15)
+    with pytest.raises(DcpGeometryError, match=r"layers\.0.*outside"):
+        rank_geometry(16, 4, 16)
+    with pytest.raises(DcpGeometryError, match=r"layers\.0.*must divide"):
+        rank_geometry(1, 3, 16)
+    with pytest.raises(DcpGeometryError, match="interleave"):
+        c.GroupGeometry("g", 4, 16, 0, interleave_size=0)
+
+
+def test_group_geometry_kinds() -> None:
+    assert (
+        rank_geometry(3, 1, 4).is_replicated and not rank_geometry(3, 1, 4).is_partial
+    )
+    assert rank_geometry(3, 2, 4).is_partial
+    assert not rank_geometry(3, 4, 4).is_partial
+    assert rank_geometry(3, 4, 4, default=4).matches_default
+    assert not rank_geometry(3, 1, 4, default=4).matches_default
+    assert "K=2, D=4, rank 3: shard 1, replica 1" in rank_geometry(3, 2, 4).describe()
+
+
+def test_prefill_context_parallel_refuses_only_partial_k() -> None:
+    for k in (1, 16):
+        c.check_prefill_context_parallel("g", k, 16, 2)
+    c.check_prefill_context_parallel("g", 4, 16, 1)
+    with pytest.raises(DcpGeometryError, match=r"g: .*K=4 \(D=16\).*PCP=2"):
+        c.check_prefill_context_parallel("g", 4, 16, 2)
 
 
 # The worked examples of the contract document.
@@ -105,7 +130,9 @@ def test_recurrent_width_regression_1310() -> None:
 )
 def test_attention_widths(k: int, width: int, aligned: int) -> None:
     assert c.attention_block_table_width(1_000_000, 64, k) == width
-    assert c.aligned_block_table_width(width, 64, 128) == aligned
+    from vllm.v1.worker.block_table import get_block_table_width
+
+    assert get_block_table_width(width, 64, token_alignment=128) == aligned
 
 
 def test_full_attention_pages() -> None:
@@ -129,7 +156,7 @@ def test_slot_mapping_worked_example() -> None:
         block_size=4,
         shard_count=4,
         interleave_size=1,
-        shard=c.shard_position(5, 4, 16).shard,
+        shard=rank_geometry(5, 4, 16).shard,
     )
     assert slots.tolist() == [-1, 40, -1, -1, -1, 41, -1, -1, -1, 42]
 
@@ -184,7 +211,7 @@ def test_slot_mapping_invariants(
         owners = np.full(seq_len, -1)
         for shard in range(k):
             rank = replica * k + shard
-            assert c.shard_position(rank, k, dcp).shard == shard
+            assert rank_geometry(rank, k, dcp).shard == shard
             slots = c.reference_slot_mapping(
                 positions,
                 row,

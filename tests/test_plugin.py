@@ -21,7 +21,12 @@ from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol
 from vllm_dcp_geometry._version import pinned_vllm_version
 from vllm_dcp_geometry.patches import PATCH_MODULES, patch_table_markdown
 
-PROCESS_FOLDERS = {"all": "common", "engine_core": "engine_core", "worker": "worker"}
+RUNS_IN_FOLDERS = {
+    "all": "common",
+    "engine_core": "engine_core",
+    "worker": "worker",
+    "benchmark": "benchmarks",
+}
 
 
 def test_import_in_a_bare_interpreter_does_not_import_vllm() -> None:
@@ -197,10 +202,11 @@ def test_every_patch_module_documents_itself() -> None:
             doc
         ), patch.__name__
         assert "Why:" in doc and "Remove when:" in doc, patch.__name__
-        assert patch.WHY and patch.REMOVE_WHEN
+        assert patch.WHY and patch.REMOVE_WHEN and patch.RELATED
+        assert "~" not in doc, f"{patch.__name__}: name symbols, not line numbers"
         assert patch.PATCHED_SYMBOLS, patch.__name__
         folder = patch.__name__.split(".")[-2]
-        assert folder == PROCESS_FOLDERS[patch.PROCESS], patch.__name__
+        assert folder == RUNS_IN_FOLDERS[patch.RUNS_IN], patch.__name__
         for symbol in patch.PATCHED_SYMBOLS:
             assert symbol.module == patch.UPSTREAM_MODULE, symbol
 

@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
+from vllm.v1.worker.block_table import get_block_table_width
 
 from tests import worker_harness as h
-from tests.spec_catalogue import make_vllm_config as make_carrier_config
 from tests.spec_catalogue import mamba_align
+from tests.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import DcpGeometryError, plugin
 from vllm_dcp_geometry import contract as c
 from vllm_dcp_geometry._patching import original_of
+from vllm_dcp_geometry.geometry import block_table_layout, input_batch_layout
 from vllm_dcp_geometry.patches.worker import (
     block_table as v1_patch,
 )
@@ -92,7 +94,7 @@ def registered_slot_warmups(runner: Any) -> list[dict[str, Any]]:
 
 
 def test_v1_runner_builds_tables_from_the_specs() -> None:
-    config = h.make_vllm_config(16)
+    config = make_vllm_config(16, real=True)
     kv_config = h.kv_cache_config(v1_specs())
     runner = h.v1_runner_input_batch(
         kv_config,
@@ -133,7 +135,7 @@ def test_v1_runner_rebuilds_where_upstream_sees_no_change() -> None:
     # One replicated group whose block size and width equal the placeholder
     # the runner starts with: upstream keeps its placeholder tables, which use
     # the global DCP size.
-    config = h.make_vllm_config(4)
+    config = make_vllm_config(4, real=True)
     kv_config = h.kv_cache_config(
         [("model.layers.0.attn", full(16, dcp_sharded=False))]
     )
@@ -156,7 +158,7 @@ def test_v1_runner_rebuilds_where_upstream_sees_no_change() -> None:
 
 
 def test_v1_runner_at_dcp1_calls_upstream_unchanged() -> None:
-    config = h.make_vllm_config(1)
+    config = make_vllm_config(1, real=True)
     kv_config = h.kv_cache_config(v1_specs())
     runner = h.v1_runner_input_batch(
         kv_config,
@@ -171,19 +173,19 @@ def test_v1_runner_at_dcp1_calls_upstream_unchanged() -> None:
 
 
 def test_v1_slot_mode_and_alignment_come_from_the_spec() -> None:
-    config = make_carrier_config(4)
+    config = make_vllm_config(4)
     specs = [
         ("ring", k.CircularBufferSpec(block_size=8, **ATTN)),
         ("hot", k.HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=3)),
         ("full", full(16)),
     ]
-    layout = v1_patch.block_table_layout(specs, config, 8192, 4, 1, 1)
+    layout = block_table_layout(specs, config, 8192, 4, 1)
     ring, hot, plain = layout.tables
     # Specs that address their own pages: no slot mapping, no token alignment.
     assert (ring.uses_slot_mapping, ring.width) == (False, 1)
     assert (hot.uses_slot_mapping, hot.width) == (False, 3)
     assert plain.uses_slot_mapping
-    assert plain.width == c.aligned_block_table_width(8192 // 64, 16, 128)
+    assert plain.width == get_block_table_width(8192 // 64, 16, token_alignment=128)
     tables = h.build_v1_tables(
         [t.block_size for t in layout.tables],
         [t.max_num_blocks_per_req for t in layout.tables],
@@ -206,13 +208,12 @@ def test_v1_slot_mode_and_alignment_come_from_the_spec() -> None:
 
 
 def test_v1_layout_must_match_the_runner_arguments() -> None:
-    layout = v1_patch.block_table_layout(
+    layout = block_table_layout(
         [("a", full(16)), ("b", full(16, dcp_sharded=False))],
-        make_carrier_config(2),
+        make_vllm_config(2),
         1024,
         2,
         0,
-        1,
     )
     with pytest.raises(DcpGeometryError, match="2 tables"):
         h.build_v1_tables(
@@ -236,17 +237,17 @@ def test_v1_layout_must_match_the_runner_arguments() -> None:
         )
 
 
-def test_shard_geometry_rejects_a_k_that_does_not_divide_d() -> None:
+def test_group_geometry_rejects_a_k_that_does_not_divide_d() -> None:
     with pytest.raises(DcpGeometryError, match="divide"):
-        v1_patch.ShardGeometry(shard_count=3, dcp_world_size=4, dcp_rank=1)
+        c.GroupGeometry("g", shard_count=3, dcp_world_size=4, dcp_rank=1)
     with pytest.raises(DcpGeometryError, match="outside"):
-        v1_patch.ShardGeometry(shard_count=2, dcp_world_size=4, dcp_rank=4)
+        c.GroupGeometry("g", shard_count=2, dcp_world_size=4, dcp_rank=4)
 
 
 def test_layout_errors_name_the_group() -> None:
-    config = make_carrier_config(4)
+    config = make_vllm_config(4)
     with pytest.raises(DcpGeometryError, match="KV-cache group 1"):
-        v1_runner_patch.input_batch_layout(
+        input_batch_layout(
             h.kv_cache_config([("a", full(16)), ("b", full(16, dcp_kv_shard_count=3))]),
             config,
             1024,
@@ -254,7 +255,9 @@ def test_layout_errors_name_the_group() -> None:
             0,
         )
     with pytest.raises(DcpGeometryError, match=r"only: B=16 .* I=24|I=24"):
-        v1_patch.block_table_layout([("only", full(16))], config, 1024, 4, 0, 24)
+        block_table_layout(
+            [("only", full(16))], make_vllm_config(4, interleave=24), 1024, 4, 0
+        )
 
 
 def test_partial_k_with_pcp_is_rejected() -> None:
@@ -269,12 +272,12 @@ def test_partial_k_with_pcp_is_rejected() -> None:
     config = SimpleNamespace(parallel_config=parallel, cache_config=CacheConfig())
     specs = [("layers.0", full(16)), ("layers.1", full(16, dcp_kv_shard_count=2))]
     with pytest.raises(DcpGeometryError, match=r"layers.1.*PCP=2"):
-        v1_patch.block_table_layout(specs, config, 1024, 8, 0, 1)
+        block_table_layout(specs, config, 1024, 8, 0)
     with pytest.raises(DcpGeometryError, match=r"group 1.*PCP=2"):
-        v2_runner_patch.group_shard_counts(h.kv_cache_config(specs), config)
+        h.v2_shard_counts(h.kv_cache_config(specs), config)
     # K in {1, D} keeps upstream's PCP behaviour.
     ok = [("layers.0", full(16)), ("layers.1", full(16, dcp_sharded=False))]
-    assert v2_runner_patch.group_shard_counts(h.kv_cache_config(ok), config) == [8, 1]
+    assert h.v2_shard_counts(h.kv_cache_config(ok), config) == [8, 1]
 
 
 # Model Runner V2 -------------------------------------------------------------------
@@ -283,14 +286,10 @@ def test_partial_k_with_pcp_is_rejected() -> None:
 def v2_tables(
     specs: list[tuple[str, Any]], dcp: int, rank: int, *, counts: bool = True
 ) -> Any:
-    config = make_carrier_config(dcp)
+    config = make_vllm_config(dcp)
     kv_config = h.kv_cache_config(specs)
     args = h.v2_table_args(kv_config, config, 4096)
-    extra = (
-        {"dcp_shard_counts": v2_runner_patch.group_shard_counts(kv_config, config)}
-        if counts
-        else {}
-    )
+    extra = {"dcp_shard_counts": h.v2_shard_counts(kv_config, config)} if counts else {}
     return h.build_v2_tables(
         args,
         cp_size=dcp,
@@ -351,7 +350,7 @@ def test_v2_plan_gives_every_group_one_final_launch() -> None:
 
 
 def test_v2_rejects_bad_shard_counts(v2_on_cpu: None) -> None:
-    config = make_carrier_config(4)
+    config = make_vllm_config(4)
     specs = [("a", full(16)), ("b", full(16))]
     args = h.v2_table_args(h.kv_cache_config(specs), config, 1024)
     build = dict(

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
+from vllm.v1.worker.block_table import get_block_table_width
 
 from tests import worker_harness as h
 from tests.subprocess_runner import run_python
+from tests.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import contract as c
-from vllm_dcp_geometry.patches.worker.block_table import block_table_layout
-from vllm_dcp_geometry.patches.worker.gpu_model_runner_v2 import group_shard_counts
+from vllm_dcp_geometry.geometry import block_table_layout
 
 REPO = str(Path(__file__).resolve().parents[1])
 ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
@@ -125,7 +126,7 @@ def sweep_case(dcp: int, interleave: int) -> tuple[list[int], h.Scenario, Any, A
     specs = [
         (f"layers.{i}.attn", attention(BLOCK, kk, dcp)) for i, kk in enumerate(counts)
     ]
-    config = h.make_vllm_config(dcp, interleave)
+    config = make_vllm_config(dcp, interleave=interleave, real=True)
     rng = np.random.default_rng(1000 * dcp + interleave)
     seq_lens = [MAX_LEN, *rng.integers(1, MAX_LEN, size=2).tolist()]
     scenario = h.make_scenario(
@@ -145,7 +146,7 @@ def v1_sweep(
     counts, scenario, specs, config = sweep_case(dcp, interleave)
     slots: Slots = {g: {} for g in range(len(counts))}
     for rank in range(dcp):
-        layout = block_table_layout(specs, config, MAX_LEN, dcp, rank, interleave)
+        layout = block_table_layout(specs, config, MAX_LEN, dcp, rank)
         assert [t.shard_count for t in layout.tables] == counts
         tables = h.build_v1_tables(
             [t.block_size for t in layout.tables],
@@ -159,8 +160,10 @@ def v1_sweep(
         )
         for table, kk in zip(tables.block_tables, counts, strict=True):
             assert (table.dcp_world_size, table.dcp_rank) == (kk, rank % kk)
-            assert table.max_num_blocks_per_req == c.aligned_block_table_width(
-                c.attention_block_table_width(MAX_LEN, BLOCK, kk), BLOCK, 128
+            assert table.max_num_blocks_per_req == get_block_table_width(
+                c.attention_block_table_width(MAX_LEN, BLOCK, kk),
+                BLOCK,
+                token_alignment=128,
             )
         result = h.run_v1(tables, scenario)
         for g in range(len(counts)):
@@ -174,7 +177,7 @@ def v2_sweep(
     """Model Runner V2 ``BlockTables`` of every rank for the sweep case."""
     counts, scenario, specs, config = sweep_case(dcp, interleave)
     kv_config = h.kv_cache_config(specs)
-    shard_counts = group_shard_counts(kv_config, config)
+    shard_counts = h.v2_shard_counts(kv_config, config)
     assert shard_counts == counts
     args = h.v2_table_args(kv_config, config, MAX_LEN)
     states = [2, 0, 3]  # request i lives in state row states[i]
@@ -282,16 +285,16 @@ def mixed_scenario() -> h.Scenario:
 
 
 def test_mixed_topology_widths_match_the_contract() -> None:
-    config = h.make_vllm_config(D16, 1)
-    layout = block_table_layout(mixed_specs(), config, L, D16, 5, 1)
+    config = make_vllm_config(D16, interleave=1, real=True)
+    layout = block_table_layout(mixed_specs(), config, L, D16, 5)
     assert [t.shard_count for t in layout.tables] == MIXED_COUNTS
     # The contract's worked examples.
     assert [t.max_num_blocks_per_req for t in layout.tables] == [977, 3907, 15625, 1310]
     assert [t.width for t in layout.tables] == [978, 3908, 15626, 1310]
     assert [t.uses_slot_mapping for t in layout.tables] == [True, True, True, False]
     for table, kk in zip(layout.tables[:3], MIXED_COUNTS[:3], strict=True):
-        assert table.width == c.aligned_block_table_width(
-            c.attention_block_table_width(L, 64, kk), 64, 128
+        assert table.width == get_block_table_width(
+            c.attention_block_table_width(L, 64, kk), 64, token_alignment=128
         )
     assert layout.tables[3].width == c.recurrent_align_block_table_width(L, 768, 7)
     v2 = h.v2_table_args(h.kv_cache_config(mixed_specs()), config, L)
@@ -299,10 +302,10 @@ def test_mixed_topology_widths_match_the_contract() -> None:
 
 
 def mixed_v1_slots(scenario: h.Scenario, device: str = "cpu") -> Slots:
-    config = h.make_vllm_config(D16, 1)
+    config = make_vllm_config(D16, interleave=1, real=True)
     out: Slots = {g: {} for g in range(4)}
     for rank in range(D16):
-        layout = block_table_layout(mixed_specs(), config, L, D16, rank, 1)
+        layout = block_table_layout(mixed_specs(), config, L, D16, rank)
         tables = h.build_v1_tables(
             [t.block_size for t in layout.tables],
             [t.max_num_blocks_per_req for t in layout.tables],
@@ -321,9 +324,9 @@ def mixed_v1_slots(scenario: h.Scenario, device: str = "cpu") -> Slots:
 
 
 def mixed_v2_slots(scenario: h.Scenario, device: str = "cpu") -> Slots:
-    config = h.make_vllm_config(D16, 1)
+    config = make_vllm_config(D16, interleave=1, real=True)
     kv_config = h.kv_cache_config(mixed_specs())
-    counts = group_shard_counts(kv_config, config)
+    counts = h.v2_shard_counts(kv_config, config)
     assert counts == MIXED_COUNTS
     args = h.v2_table_args(kv_config, config, L)
     out: Slots = {g: {} for g in range(4)}
@@ -461,8 +464,8 @@ def mismatching_ranks(
 def unpatched_mixed_data() -> dict[str, Any]:
     """What the unpatched run needs from the patched side."""
     scenario = mixed_scenario()
-    config = h.make_vllm_config(D16, 1)
-    layout = block_table_layout(mixed_specs(), config, L, D16, 0, 1)
+    config = make_vllm_config(D16, interleave=1, real=True)
+    layout = block_table_layout(mixed_specs(), config, L, D16, 0)
     v2_args = h.v2_table_args(h.kv_cache_config(mixed_specs()), config, L)
     data = {
         "dcp": D16,
@@ -569,7 +572,7 @@ def dcp1_outputs(patched: bool, device: str = "cpu") -> dict[str, Any]:
     """Block tables and slot mappings at D = 1, through the real V1 runner
     method and V2 ``BlockTables`` (and, patched, the explicit-layout path)."""
     specs = dcp1_specs()
-    config = h.make_vllm_config(1, 1)
+    config = make_vllm_config(1, interleave=1, real=True)
     kv_config = h.kv_cache_config(specs)
     runner = h.v1_runner_input_batch(
         kv_config,
@@ -590,7 +593,7 @@ def dcp1_outputs(patched: bool, device: str = "cpu") -> dict[str, Any]:
     out = {"v1_runner": h.jsonable(h.run_v1(runner.input_batch.block_table, scenario))}
     if patched:
         layout = block_table_layout(
-            [specs[g] for g in v1_groups], config, DCP1_LEN, 1, 0, 1
+            [specs[g] for g in v1_groups], config, DCP1_LEN, 1, 0
         )
         tables = h.build_v1_tables(
             [t.block_size for t in layout.tables],
@@ -608,7 +611,7 @@ def dcp1_outputs(patched: bool, device: str = "cpu") -> dict[str, Any]:
         8, DCP1_LENS, [s.block_size for _, s in specs], first_positions=DCP1_FIRST
     )
     extra = (
-        {"dcp_shard_counts": group_shard_counts(kv_config, config)} if patched else {}
+        {"dcp_shard_counts": h.v2_shard_counts(kv_config, config)} if patched else {}
     )
     v2 = h.build_v2_tables(
         args,

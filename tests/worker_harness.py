@@ -51,22 +51,17 @@ def enable_v2_on_cpu() -> Callable[[], None]:
     return undo
 
 
-def make_vllm_config(
-    dcp: int, interleave: int = 1, *, mamba_cache_mode: str = "align", pcp: int = 1
-) -> Any:
-    """A real ``VllmConfig`` on the CPU device with DCP ``dcp``."""
-    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
+def v2_shard_counts(kv_config: Any, vllm_config: Any) -> list[int]:
+    """Every group's K as the patched Model Runner V2 hands it to
+    ``BlockTables`` (patched processes only)."""
+    from vllm_dcp_geometry.geometry import group_shard_counts
 
-    parallel = ParallelConfig(
-        tensor_parallel_size=dcp,
-        decode_context_parallel_size=dcp,
-        prefill_context_parallel_size=pcp,
-        cp_kv_cache_interleave_size=interleave,
-    )
-    return VllmConfig(
-        parallel_config=parallel,
-        cache_config=CacheConfig(mamba_cache_mode=mamba_cache_mode),
-        device_config=DeviceConfig(device="cpu"),
+    parallel = vllm_config.parallel_config
+    return group_shard_counts(
+        kv_config.kv_cache_groups,
+        parallel.decode_context_parallel_size,
+        pcp_world_size=parallel.prefill_context_parallel_size,
+        interleave_size=parallel.cp_kv_cache_interleave_size,
     )
 
 

@@ -13,6 +13,12 @@ imports: forbidden imports and settings in the package.
 - Library code never imports the test suite, and never sets the CPU-testing
   switches (TRITON_INTERPRET, CUDA_VISIBLE_DEVICES, PIN_MEMORY): those belong
   in tests/conftest.py.
+- Patch modules are removable one at a time: nothing in the package or the
+  benchmarks imports a module under ``vllm_dcp_geometry.patches`` (at any
+  level, by statement or by ``importlib``), except the registry
+  (``vllm_dcp_geometry/patches/__init__.py`` and ``plugin.py``), which loads
+  them by name from ``PATCH_MODULES``. What patch modules share lives in
+  non-patch modules. Tests may import the module they test.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ def spdx_problems(path: Path) -> list[str]:
 
 
 HEAVY = {"vllm", "torch", "triton"}
+PATCHES = "vllm_dcp_geometry.patches"
+REGISTRY = (
+    Path("vllm_dcp_geometry/patches/__init__.py"),
+    Path("vllm_dcp_geometry/plugin.py"),
+)
+REGISTRY_NAMES = {"PATCH_MODULES", "patch_table_markdown"}
 TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
 
 
@@ -72,12 +84,69 @@ def _top_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _absolute(node: ast.ImportFrom, path: Path) -> str:
+    if node.level == 0:
+        return node.module or ""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package.pop()
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imported_patch_modules(tree: ast.Module, path: Path) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(node, path)
+            names = [
+                module
+                if module != PATCHES or alias.name in REGISTRY_NAMES
+                else f"{module}.{alias.name}"
+                for alias in node.names
+            ]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if node.value.startswith(PATCHES + ".") else []
+        else:
+            continue
+        lineno = getattr(node, "lineno", 0)
+        found.extend((lineno, name) for name in names if name.startswith(PATCHES + "."))
+    return found
+
+
+def patch_import_problems(path: Path, tree: ast.Module) -> list[str]:
+    if path.parts[0] not in ("vllm_dcp_geometry", "benchmarks"):
+        return []
+    if any(path == registry for registry in REGISTRY):
+        return []
+    return [
+        f"{path}:{lineno}: imports patch module {name}; patch modules must be "
+        "removable one at a time: move what it shares into a non-patch module "
+        "(contract, geometry, group_context, attention_geometry)"
+        for lineno, name in _imported_patch_modules(tree, path)
+    ]
+
+
 def import_problems(path: Path) -> list[str]:
+    if path.is_absolute():
+        path = path.relative_to(Path.cwd())
+    if path.parts[0] == "benchmarks":
+        text = path.read_text(encoding="utf-8")
+        return patch_import_problems(path, ast.parse(text, filename=str(path)))
     if "vllm_dcp_geometry" not in path.parts:
         return []
     text = path.read_text(encoding="utf-8")
     tree = ast.parse(text, filename=str(path))
-    found = []
+    found = patch_import_problems(path, tree)
     for lineno, name in _top_level_imports(tree):
         root = name.split(".")[0]
         if root in HEAVY:

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal, Protocol
 
-Process = Literal["all", "engine_core", "worker"]
+RunsIn = Literal["all", "engine_core", "worker", "benchmark"]
+"""Where the patched upstream code runs. Documentation only: every process
+installs every hook, and a hook costs nothing until its module is imported."""
 
 ORIGINAL_ATTR = "__vllm_dcp_geometry_original__"
 """Set on every wrapper we install; holds the upstream object it replaced."""
@@ -56,11 +58,14 @@ class UpstreamSymbol:
 
 
 class PatchModule(Protocol):
+    """What every module under ``vllm_dcp_geometry.patches`` declares."""
+
     UPSTREAM_MODULE: str
-    PROCESS: Process
+    RUNS_IN: RunsIn
     PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...]
     WHY: str
     REMOVE_WHEN: str
+    RELATED: str
 
     def apply(self, module: ModuleType) -> None: ...
 
@@ -74,10 +79,18 @@ def _callable_of(obj: Any) -> Any:
 
 
 def describe_parameters(obj: Any) -> str:
-    """Parameter names and kinds of a callable, e.g. ``self, x, *, y=, **kw``."""
+    """Parameter names and kinds of a callable, e.g. ``self, x, *, y=, **kw``.
+
+    A Triton kernel (compiled or interpreted) is described by its
+    ``arg_names``, in launch order, so a kernel the plugin launches is pinned
+    argument by argument.
+    """
     func = _callable_of(obj)
     func = getattr(func, ORIGINAL_ATTR, func)
     func = _callable_of(func)
+    arg_names = getattr(func, "arg_names", None)
+    if isinstance(arg_names, (list, tuple)) and not inspect.isroutine(func):
+        return ", ".join(arg_names)
     parts: list[str] = []
     saw_kw_only = False
     params = list(inspect.signature(func).parameters.values())
@@ -157,11 +170,14 @@ def mark_wrapper(wrapper: Any, original: Any) -> Any:
 def wrap(
     owner: Any,
     name: str,
-    make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]],
+    make_wrapper: Callable[..., Callable[..., Any]],
+    *factory_args: Any,
 ) -> None:
-    """Replace ``owner.name`` with ``make_wrapper(original_function)``.
+    """Replace ``owner.name`` with ``make_wrapper(original, *factory_args)``.
 
-    Keeps classmethod/staticmethod kinds; does nothing if already wrapped.
+    ``factory_args`` is how a wrapper reaches anything beyond the original
+    (the upstream module, for instance). Keeps classmethod/staticmethod
+    kinds; does nothing if already wrapped by the same factory.
     """
     namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
     raw = namespace[name]
@@ -177,7 +193,7 @@ def wrap(
             f"{made_by}; {factory} cannot wrap it too"
         )
     func = _callable_of(raw)
-    new: Any = make_wrapper(func)
+    new: Any = make_wrapper(func, *factory_args)
     setattr(new, FACTORY_ATTR, factory)
     for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
         if hasattr(func, attr):

@@ -4,9 +4,11 @@
 
 A metadata builder is built per KV-cache group from the group's spec, so it is
 the one place on the worker that knows the group's shard count K. This module
-holds what the attention patches share: the group's geometry (D, r, K, s, q),
-the active-geometry context the builder patches set while upstream code runs,
-and the exact partial-group LSE combine (duplicate replicas masked to -inf).
+holds what the attention patches share: resolving the group's geometry
+(``contract.GroupGeometry``) from its spec and the DCP process group, binding
+the group's attention impls to it, and the exact partial-group LSE combine
+(duplicate replicas masked to -inf). The side channel that lets upstream
+builder code see the group's geometry is ``group_context.use_group_geometry``.
 
 No vLLM import at module level; the few functions that need vLLM (resolving a
 group from its spec, finding a group's layers) import it when called.
@@ -14,19 +16,19 @@ group from its spec, finding a group's layers) import it when called.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
+    GroupGeometry,
     check_interleave,
-    shard_position,
+    check_prefill_context_parallel,
 )
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
-    upstream_shard_count,
+from vllm_dcp_geometry.geometry import (
+    default_shard_count,
+    get_kv_cache_dcp_shard_count,
+    group_name,
 )
 
 if TYPE_CHECKING:
@@ -36,105 +38,16 @@ BOUND_GEOMETRY_ATTR = "_vllm_dcp_geometry_group"
 """Set on every builder and attention impl bound to a group's geometry."""
 
 
-def describe_group(layer_names: Sequence[str]) -> str:
-    """A readable name for a KV-cache group in error messages."""
-    names = list(layer_names)
-    if not names:
-        return "KV-cache group (no layers)"
-    shown = ", ".join(names[:3])
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return f"KV-cache group of layers [{shown}{more}]"
-
-
-@dataclass(frozen=True)
-class GroupAttentionGeometry:
-    """Where DCP rank ``r`` sits for one KV-cache group with K shards.
-
-    Invariants: ``1 <= K <= D``, ``D % K == 0``, ``0 <= r < D``.
-    ``upstream_shard_count`` is what vLLM 0.33.0 derives from the spec's
-    boolean ``dcp_sharded`` alone (D or 1).
-    """
-
-    owner: str
-    dcp_world_size: int
-    dcp_rank: int
-    shard_count: int
-    interleave_size: int
-    upstream_shard_count: int
-
-    def __post_init__(self) -> None:
-        shard_position(self.dcp_rank, self.shard_count, self.dcp_world_size)
-
-    @property
-    def shard(self) -> int:
-        """``s = r % K``: the shard of the group's positions this rank stores."""
-        return self.dcp_rank % self.shard_count
-
-    @property
-    def replica(self) -> int:
-        """``q = r // K``: which of the D/K identical copies of ``s`` this is."""
-        return self.dcp_rank // self.shard_count
-
-    @property
-    def is_replicated(self) -> bool:
-        return self.shard_count == 1
-
-    @property
-    def is_partial(self) -> bool:
-        return 1 < self.shard_count < self.dcp_world_size
-
-    @property
-    def matches_upstream(self) -> bool:
-        """True where vLLM's own per-spec geometry is already the group's."""
-        return self.shard_count == self.upstream_shard_count
-
-    @property
-    def shard_world(self) -> tuple[int, int]:
-        """(world size, rank) of the group's token sharding: (K, s)."""
-        return self.shard_count, self.shard
-
-    def describe(self) -> str:
-        return (
-            f"{self.owner} (K={self.shard_count}, D={self.dcp_world_size}, "
-            f"rank {self.dcp_rank}: shard {self.shard}, replica {self.replica})"
-        )
-
-
-def group_attention_geometry(
-    *,
-    owner: str,
-    dcp_world_size: int,
-    dcp_rank: int,
-    shard_count: int,
-    interleave_size: int,
-    upstream_shard_count: int,
-) -> GroupAttentionGeometry:
-    """Validated geometry of one group (raises ``DcpGeometryError``)."""
-    try:
-        return GroupAttentionGeometry(
-            owner=owner,
-            dcp_world_size=dcp_world_size,
-            dcp_rank=dcp_rank,
-            shard_count=shard_count,
-            interleave_size=interleave_size,
-            upstream_shard_count=upstream_shard_count,
-        )
-    except DcpGeometryError as exc:
-        raise DcpGeometryError(f"{owner}: {exc}") from exc
-
-
 def resolve_group_geometry(
     kv_cache_spec: Any, layer_names: Sequence[str], vllm_config: Any
-) -> GroupAttentionGeometry | None:
+) -> GroupGeometry | None:
     """The group's geometry on this rank, or None when DCP is off (D == 1).
 
     D and r come from vLLM's DCP process group (as every upstream builder and
     impl takes them); K from the spec through the contract. A partial K with
-    prefill context parallelism is rejected: the contract keeps PCP on
-    upstream behaviour, which knows only K in {1, D}.
+    prefill context parallelism is refused (the contract's PCP rule).
     """
     from vllm.distributed import parallel_state
-    from vllm.v1.kv_cache_interface import get_kv_cache_dcp_shard_count
 
     parallel_config = vllm_config.parallel_config
     if parallel_config.decode_context_parallel_size == 1:
@@ -142,35 +55,35 @@ def resolve_group_geometry(
     dcp_world_size, dcp_rank = parallel_state.get_dcp_world_size_and_rank(True)
     if dcp_world_size == 1:
         return None
-    owner = describe_group(layer_names)
+    owner = group_name(layer_names)
     shard_count = get_kv_cache_dcp_shard_count(
         kv_cache_spec, dcp_world_size, owner=owner
     )
     interleave_size = parallel_config.cp_kv_cache_interleave_size
-    geometry = group_attention_geometry(
+    geometry = GroupGeometry(
         owner=owner,
+        shard_count=shard_count,
         dcp_world_size=dcp_world_size,
         dcp_rank=dcp_rank,
-        shard_count=shard_count,
         interleave_size=interleave_size,
-        upstream_shard_count=upstream_shard_count(kv_cache_spec, dcp_world_size),
+        default_shard_count=default_shard_count(kv_cache_spec, dcp_world_size),
     )
-    if not geometry.matches_upstream:
+    if not geometry.matches_default:
         try:
             check_interleave(kv_cache_spec.block_size, shard_count, interleave_size)
         except DcpGeometryError as exc:
             raise DcpGeometryError(f"{geometry.describe()}: {exc}") from exc
-    if geometry.is_partial and parallel_config.prefill_context_parallel_size > 1:
-        raise DcpGeometryError(
-            f"{geometry.describe()}: a partial DCP shard count cannot be combined "
-            f"with prefill context parallelism (PCP="
-            f"{parallel_config.prefill_context_parallel_size}); use K=1 or K=D"
-        )
+    check_prefill_context_parallel(
+        geometry.describe(),
+        shard_count,
+        dcp_world_size,
+        parallel_config.prefill_context_parallel_size,
+    )
     return geometry
 
 
 def group_layer_impls(
-    vllm_config: Any, layer_names: Sequence[str], geometry: GroupAttentionGeometry
+    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
 ) -> list[tuple[str, Any]]:
     """(name, impl) of the group's attention layers.
 
@@ -193,7 +106,7 @@ def group_layer_impls(
     return found
 
 
-def check_rebind(obj: Any, geometry: GroupAttentionGeometry, what: str) -> bool:
+def check_rebind(obj: Any, geometry: GroupGeometry, what: str) -> bool:
     """True if ``obj`` is already bound to ``geometry``; error if to another."""
     bound = getattr(obj, BOUND_GEOMETRY_ATTR, None)
     if bound is None:
@@ -221,30 +134,6 @@ def make_impl_local(impl: Any) -> None:
     impl.dcp_rank = 0
     impl.total_cp_world_size = 1
     impl.total_cp_rank = 0
-
-
-# Active group while upstream builder code runs --------------------------------
-
-_active_group: contextvars.ContextVar[GroupAttentionGeometry | None] = (
-    contextvars.ContextVar("vllm_dcp_geometry_active_group", default=None)
-)
-
-
-@contextlib.contextmanager
-def active_group_geometry(
-    geometry: GroupAttentionGeometry,
-) -> Iterator[GroupAttentionGeometry]:
-    """Make ``geometry`` visible to the patched module-level helpers of an
-    attention backend for the duration of one upstream builder call."""
-    token = _active_group.set(geometry)
-    try:
-        yield geometry
-    finally:
-        _active_group.reset(token)
-
-
-def current_group_geometry() -> GroupAttentionGeometry | None:
-    return _active_group.get()
 
 
 # Exact combine for partial groups -------------------------------------------
@@ -303,7 +192,7 @@ _partial_shard_builders: set[type] = set()
 
 
 def partial_shard_refusal(
-    geometry: GroupAttentionGeometry, what: str, remedy: str
+    geometry: GroupGeometry, what: str, remedy: str
 ) -> DcpGeometryError:
     """The start-up error of a backend that cannot honour a group's partial K."""
     return DcpGeometryError(
@@ -322,9 +211,7 @@ def builder_supports_partial_shards(builder_cls: type) -> bool:
     return builder_cls in _partial_shard_builders
 
 
-def bind_impl_to_group(
-    impl: Any, geometry: GroupAttentionGeometry, layer_name: str
-) -> None:
+def bind_impl_to_group(impl: Any, geometry: GroupGeometry, layer_name: str) -> None:
     """Give an attention impl (built with the model, before any spec was
     known) its group's geometry; idempotent.
 
@@ -348,7 +235,7 @@ def bind_impl_to_group(
 
 
 def bind_group_impls(
-    vllm_config: Any, layer_names: Sequence[str], geometry: GroupAttentionGeometry
+    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
 ) -> None:
     """Bind every impl of a group with K < D (K = D needs nothing)."""
     if geometry.shard_count == geometry.dcp_world_size:
@@ -358,7 +245,7 @@ def bind_group_impls(
 
 
 def group_local_seq_lens(
-    seq_lens: torch.Tensor, geometry: GroupAttentionGeometry
+    seq_lens: torch.Tensor, geometry: GroupGeometry
 ) -> torch.Tensor:
     """Per-request local sequence lengths of this rank for the group: the
     positions ``< seq_len`` whose owner shard is ``s`` (contract

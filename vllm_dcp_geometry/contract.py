@@ -146,26 +146,91 @@ def resolve_uniform_shard_count(owner: str, layer_counts: Mapping[str, int]) -> 
 
 
 @dataclass(frozen=True)
-class ShardPosition:
-    """Where rank ``r`` sits in a group with K shards: shard ``r % K``,
-    replica ``r // K``."""
+class GroupGeometry:
+    """Where DCP rank ``r`` sits in one KV-cache group with ``K`` shards.
 
-    shard: int
-    replica: int
+    Invariants: ``D >= 1``, ``1 <= K <= D``, ``D % K == 0``, ``0 <= r < D``,
+    ``I >= 1``. Rank ``r`` stores shard ``s = r % K`` and is replica
+    ``q = r // K`` of it. ``default_shard_count`` is the K vLLM 0.33.0 derives
+    for the group's spec from its boolean ``dcp_sharded`` alone (D or 1), or
+    None where nobody asked.
+    """
 
+    owner: str
+    """The group (or layer), for error messages."""
+    shard_count: int
+    dcp_world_size: int
+    dcp_rank: int
+    interleave_size: int = 1
+    default_shard_count: int | None = None
 
-def shard_position(rank: int, shard_count: int, dcp_world_size: int) -> ShardPosition:
-    """Shard and replica index of DCP rank ``rank`` for a group with K shards."""
-    check_dcp_world_size(dcp_world_size)
-    if not 0 <= rank < dcp_world_size:
-        raise DcpGeometryError(
-            f"DCP rank {rank} is outside the group of size {dcp_world_size}"
+    def __post_init__(self) -> None:
+        check_dcp_world_size(self.dcp_world_size)
+        d, k, r = self.dcp_world_size, self.shard_count, self.dcp_rank
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < d:
+            raise DcpGeometryError(
+                f"{self.owner}: DCP rank {r!r} is outside the group of size {d}"
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or d % k != 0:
+            raise DcpGeometryError(
+                f"{self.owner}: shard count K={k!r} must divide the DCP world size "
+                f"D={d} (1 <= K <= D, D % K == 0)"
+            )
+        if self.interleave_size < 1:
+            raise DcpGeometryError(
+                f"{self.owner}: interleave size must be >= 1, got "
+                f"{self.interleave_size}"
+            )
+
+    @property
+    def shard(self) -> int:
+        """``s = r % K``: the shard of the group's positions this rank stores."""
+        return self.dcp_rank % self.shard_count
+
+    @property
+    def replica(self) -> int:
+        """``q = r // K``: which of the ``D / K`` identical copies of ``s``."""
+        return self.dcp_rank // self.shard_count
+
+    @property
+    def is_replicated(self) -> bool:
+        """K = 1: every rank holds every position."""
+        return self.shard_count == 1
+
+    @property
+    def is_partial(self) -> bool:
+        """1 < K < D: positions spread over K of the D ranks, D/K replicas."""
+        return 1 < self.shard_count < self.dcp_world_size
+
+    @property
+    def matches_default(self) -> bool:
+        """K is what vLLM derives from the spec's ``dcp_sharded`` flag."""
+        return self.shard_count == self.default_shard_count
+
+    @property
+    def shard_world(self) -> tuple[int, int]:
+        """``(K, s)``: world size and rank of the group's token sharding."""
+        return self.shard_count, self.shard
+
+    def describe(self) -> str:
+        return (
+            f"{self.owner} (K={self.shard_count}, D={self.dcp_world_size}, "
+            f"rank {self.dcp_rank}: shard {self.shard}, replica {self.replica})"
         )
-    if shard_count < 1 or dcp_world_size % shard_count != 0:
+
+
+def check_prefill_context_parallel(
+    owner: str, shard_count: int, dcp_world_size: int, pcp_world_size: int
+) -> None:
+    """PCP keeps upstream behaviour, which knows K in {1, D} only: a partial
+    K (1 < K < D) together with prefill context parallelism > 1 is refused."""
+    if pcp_world_size > 1 and 1 < shard_count < dcp_world_size:
         raise DcpGeometryError(
-            f"shard count K={shard_count} must divide D={dcp_world_size}"
+            f"{owner}: a partial DCP shard count K={shard_count} "
+            f"(D={dcp_world_size}) cannot be combined with prefill context "
+            f"parallelism (PCP={pcp_world_size}); use K=1 ('replicated') or "
+            "K=D ('sharded'), or turn PCP off"
         )
-    return ShardPosition(shard=rank % shard_count, replica=rank // shard_count)
 
 
 def virtual_block_size(block_size: int, shard_count: int) -> int:
@@ -185,20 +250,6 @@ def recurrent_align_block_table_width(
     """Columns of a recurrent group in align mode: rows are position-indexed
     over the whole sequence, ``cdiv(L, B) + num_speculative_blocks``."""
     return cdiv(max_len, block_size) + num_speculative_blocks
-
-
-def aligned_block_table_width(
-    num_blocks: int, block_size: int, token_alignment: int | None
-) -> int:
-    """Round a width up so a row covers a multiple of ``token_alignment``
-    tokens of ``block_size``-token blocks (vLLM's runner rule, restated for
-    planning without vLLM; the runtime calls vLLM's own)."""
-    if token_alignment is None:
-        return num_blocks
-    if token_alignment <= 0:
-        raise DcpGeometryError("token_alignment must be positive")
-    block_alignment = token_alignment // math.gcd(token_alignment, block_size)
-    return cdiv(num_blocks, block_alignment) * block_alignment
 
 
 def full_attention_pages_per_request(
@@ -228,18 +279,6 @@ def check_interleave(block_size: int, shard_count: int, interleave_size: int) ->
             f"block size B={block_size} must be divisible by the interleave size "
             f"I={interleave_size} when a group is sharded (K={shard_count})"
         )
-
-
-def owner_shard(
-    positions: npt.ArrayLike, block_size: int, shard_count: int, interleave_size: int
-) -> np.ndarray:
-    """Shard that stores each position: ``((p % V) // I) % K``."""
-    import numpy as np
-
-    check_interleave(block_size, shard_count, interleave_size)
-    pos = np.asarray(positions, dtype=np.int64)
-    offset = pos % virtual_block_size(block_size, shard_count)
-    return (offset // interleave_size) % shard_count
 
 
 def local_seq_len(

@@ -60,11 +60,11 @@ def check_vllm_version() -> str:
     )
 
 
-def _apply_patch_module(patch: ModuleType, upstream: ModuleType) -> None:
+def _apply_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> None:
     for symbol in patch.PATCHED_SYMBOLS:
         _patching.verify_symbol(symbol, upstream)
     patch.apply(upstream)
-    _applied[patch.__name__] = upstream.__name__
+    _applied[patch.__name__] = upstream.__name__  # type: ignore[attr-defined]
     logger.debug("vllm-dcp-geometry patched %s", upstream.__name__)
 
 
@@ -79,7 +79,10 @@ def register() -> None:
         if _installed:
             return
         check_vllm_version()
-        patches = [importlib.import_module(name) for name in PATCH_MODULES]
+        patches: list[_patching.PatchModule] = [
+            importlib.import_module(name)  # type: ignore[misc]
+            for name in PATCH_MODULES
+        ]
         for patch in patches:
             _patching.when_imported(
                 patch.UPSTREAM_MODULE, functools.partial(_apply_patch_module, patch)

@@ -16,14 +16,8 @@ from fractions import Fraction
 from typing import Any
 
 from vllm_dcp_geometry.cli import _vllm
-from vllm_dcp_geometry.contract import (
-    aligned_block_table_width,
-    scheduler_block_size,
-    virtual_block_size,
-)
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
-    upstream_shard_count,
-)
+from vllm_dcp_geometry.contract import scheduler_block_size, virtual_block_size
+from vllm_dcp_geometry.geometry import default_shard_count
 from vllm_dcp_geometry.topology import Topology, TopologyError
 
 BLOCK_TABLE_ENTRY_BYTES = 4
@@ -54,8 +48,10 @@ def _geometry(
     pages: int,
     max_num_seqs: int,
 ) -> dict[str, Any]:
-    aligned = aligned_block_table_width(
-        width, spec.block_size, spec.block_table_token_alignment
+    from vllm.v1.worker.block_table import get_block_table_width
+
+    aligned = get_block_table_width(
+        width, spec.block_size, token_alignment=spec.block_table_token_alignment
     )
     # Recurrent state has a fixed size per request: no per-token cost.
     per_token = (
@@ -132,7 +128,7 @@ def build_plan(topology: Topology) -> dict[str, Any]:
         )
         upstream = _geometry(
             spec,
-            k=upstream_shard_count(spec, dcp),
+            k=default_shard_count(spec, dcp),
             width=_vllm.upstream_method(spec, "max_num_blocks_per_req")(config, length),
             pages=_vllm.pages_per_request(spec, config, upstream=True),
             **common,

@@ -39,9 +39,7 @@ from vllm_dcp_geometry.contract import (
     scheduler_block_size,
     virtual_block_size,
 )
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
-    upstream_shard_count,
-)
+from vllm_dcp_geometry.geometry import default_shard_count
 from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
 
 MAX_REPORTED_VIOLATIONS = 50
@@ -439,7 +437,7 @@ def run_replay(
                 "kind": t.group.kind,
                 "draft": t.group.draft,
                 "shard_count": t.shard_count,
-                "upstream_shard_count": upstream_shard_count(t.spec, dcp),
+                "upstream_shard_count": default_shard_count(t.spec, dcp),
                 "block_size": t.group.block_size,
                 "virtual_block_size": t.virtual_block_size,
                 "manager_block_size": t.manager.block_size,

@@ -5,6 +5,12 @@
 - ``common``: modules every process loads (the KV-cache specs).
 - ``engine_core``: the scheduler side (KV-cache managers, planning, hashing).
 - ``worker``: model runners, block tables, attention metadata.
+- ``benchmarks``: vLLM's benchmark tools (``vllm bench``).
+
+No patch module imports another: what they share lives in
+``vllm_dcp_geometry.contract`` (the rules), ``geometry`` (what specs and
+groups say), ``group_context`` (the side channels) and ``attention_geometry``
+(attention impl binding and combine). ``tools/check_sources.py`` enforces it.
 
 ``PATCH_MODULES`` is the full list ``register()`` installs; the order is the
 order in which patches apply when their upstream modules are already loaded.
@@ -22,7 +28,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.engine_core.kv_cache_coordinator",
     "vllm_dcp_geometry.patches.engine_core.kv_cache_planning",
     "vllm_dcp_geometry.patches.engine_core.kv_connector_base",
-    "vllm_dcp_geometry.patches.engine_core.forward_batch",
+    "vllm_dcp_geometry.patches.benchmarks.forward_batch",
     "vllm_dcp_geometry.patches.worker.utils",
     "vllm_dcp_geometry.patches.worker.flash_attn",
     "vllm_dcp_geometry.patches.worker.flashinfer",
@@ -31,18 +37,30 @@ PATCH_MODULES: tuple[str, ...] = (
 
 
 def patch_table_markdown() -> str:
-    """The README's table of patched vLLM symbols, generated from the modules."""
+    """The README's tables of patched vLLM symbols and side channels,
+    generated from the modules."""
     import importlib
 
+    from vllm_dcp_geometry.group_context import CHANNELS
+
     rows = [
-        "| process | vLLM module | symbols | why | remove when |",
-        "| --- | --- | --- | --- | --- |",
+        "| runs in | vLLM module | symbols | why | remove when | related |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name in PATCH_MODULES:
         patch = importlib.import_module(name)
         symbols = ", ".join(f"`{s.qualname}`" for s in patch.PATCHED_SYMBOLS)
         rows.append(
-            f"| {patch.PROCESS} | `{patch.UPSTREAM_MODULE}` | {symbols} | "
-            f"{patch.WHY} | {patch.REMOVE_WHEN} |"
+            f"| {patch.RUNS_IN} | `{patch.UPSTREAM_MODULE}` | {symbols} | "
+            f"{patch.WHY} | {patch.REMOVE_WHEN} | {patch.RELATED} |"
         )
+    rows += [
+        "",
+        "Side channels (`vllm_dcp_geometry/group_context.py`): where a wrapper "
+        "hands a group's geometry to upstream code called deep inside it.",
+        "",
+        "| channel | set by | read by |",
+        "| --- | --- | --- |",
+    ]
+    rows += [f"| `{name}` | {setter} | {reader} |" for name, setter, reader in CHANNELS]
     return "\n".join(rows)

@@ -43,16 +43,24 @@ from vllm_dcp_geometry.contract import (
     resolve_shard_count,
     resolve_uniform_shard_count,
 )
+from vllm_dcp_geometry.geometry import (
+    SHARD_COUNT_FIELD_NAME,
+    default_shard_count,
+    explicit_shard_count,
+    get_kv_cache_dcp_shard_count,
+)
 
 UPSTREAM_MODULE = "vllm.v1.kv_cache_interface"
-PROCESS = "all"
+RUNS_IN = "all"
 WHY = (
     "vLLM 0.33.0 specs carry only the boolean dcp_sharded; partial shard counts "
     "need a field that survives merge/replace/pickle and K-aware widths."
 )
 REMOVE_WHEN = "upstream specs carry a per-spec DCP shard count"
-
-SHARD_COUNT_FIELD_NAME = "dcp_kv_shard_count"
+RELATED = (
+    "vllm#40996 (review: move the DCP block-size rule into the spec); "
+    "vllm#48392 (draft KV under DCP)"
+)
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
@@ -97,35 +105,6 @@ def spec_owner_name(spec: Any) -> str:
     return f"{type(spec).__name__}(block_size={getattr(spec, 'block_size', '?')})"
 
 
-def dcp_kv_shard_count_of(spec: Any) -> int | None:
-    """The explicit partial shard count a spec carries (None if none)."""
-    return getattr(spec, SHARD_COUNT_FIELD_NAME, None)
-
-
-def get_kv_cache_dcp_shard_count(
-    spec: Any, dcp_world_size: int, *, owner: str | None = None
-) -> int:
-    """Token-position shard count K of ``spec`` under DCP world size D.
-
-    Delegates to ``spec.dcp_shard_count``, so a spec class can answer itself.
-    ``owner`` (a layer or group name) is used in error messages.
-    """
-    check_dcp_world_size(dcp_world_size)
-    if dcp_world_size == 1:
-        return 1
-    try:
-        return int(spec.dcp_shard_count(dcp_world_size))
-    except DcpGeometryError as exc:
-        if owner is None or owner in str(exc):
-            raise
-        raise DcpGeometryError(f"{owner}: {exc}") from exc
-
-
-def upstream_shard_count(spec: Any, dcp_world_size: int) -> int:
-    """What vLLM 0.33.0 implies from the boolean flag alone."""
-    return dcp_world_size if spec.dcp_sharded else 1
-
-
 def _unknown_spec_shard_count(self: Any, dcp_world_size: int) -> int:
     check_dcp_world_size(dcp_world_size)
     if dcp_world_size == 1:
@@ -143,7 +122,7 @@ def _attention_shard_count(self: Any, dcp_world_size: int) -> int:
         owner=spec_owner_name(self),
         layout=layout,
         dcp_world_size=dcp_world_size,
-        dcp_kv_shard_count=dcp_kv_shard_count_of(self),
+        dcp_kv_shard_count=explicit_shard_count(self),
     )
 
 
@@ -197,7 +176,7 @@ def _make_eq(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def __eq__(self: Any, other: Any) -> Any:
         result = original(self, other)
         if result is True:
-            return dcp_kv_shard_count_of(self) == dcp_kv_shard_count_of(other)
+            return explicit_shard_count(self) == explicit_shard_count(other)
         return result
 
     return __eq__
@@ -206,7 +185,7 @@ def _make_eq(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
 def _make_repr(original: Callable[[Any], str]) -> Callable[[Any], str]:
     def __repr__(self: Any) -> str:
         text = original(self)
-        k = dcp_kv_shard_count_of(self)
+        k = explicit_shard_count(self)
         if k is None or not text.endswith(")"):
             return text
         return f"{text[:-1]}, {SHARD_COUNT_FIELD_NAME}={k})"
@@ -216,7 +195,7 @@ def _make_repr(original: Callable[[Any], str]) -> Callable[[Any], str]:
 
 def _make_merge(original: Callable[..., Any]) -> Callable[..., Any]:
     def merge(cls: type, specs: list[Any]) -> Any:
-        counts = {dcp_kv_shard_count_of(spec) for spec in specs}
+        counts = {explicit_shard_count(spec) for spec in specs}
         if counts <= {None}:
             return original(cls, specs)
         if len(counts) > 1:
@@ -234,7 +213,7 @@ def _make_merge(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _make_is_uniform_type(original: Callable[..., bool]) -> Callable[..., bool]:
     def is_uniform_type(cls: type, kv_cache_specs: dict[str, Any]) -> bool:
-        counts = {dcp_kv_shard_count_of(spec) for spec in kv_cache_specs.values()}
+        counts = {explicit_shard_count(spec) for spec in kv_cache_specs.values()}
         if len(counts) > 1:
             return False
         return original(cls, kv_cache_specs)
@@ -246,7 +225,7 @@ def _make_attention_width(original: Callable[..., int]) -> Callable[..., int]:
     def max_num_blocks_per_req(self: Any, vllm_config: Any, max_len: int) -> int:
         dcp = vllm_config.parallel_config.decode_context_parallel_size
         k = get_kv_cache_dcp_shard_count(self, dcp)
-        if k == upstream_shard_count(self, dcp):
+        if k == default_shard_count(self, dcp):
             return original(self, vllm_config, max_len)
         return attention_block_table_width(max_len, self.block_size, k)
 
@@ -257,7 +236,7 @@ def _make_full_attention_memory(original: Callable[..., int]) -> Callable[..., i
     def max_memory_usage_bytes(self: Any, vllm_config: Any) -> int:
         dcp = vllm_config.parallel_config.decode_context_parallel_size
         k = get_kv_cache_dcp_shard_count(self, dcp)
-        if k == upstream_shard_count(self, dcp):
+        if k == default_shard_count(self, dcp):
             return original(self, vllm_config)
         pages = full_attention_pages_per_request(
             vllm_config.model_config.max_model_len, self.block_size, k

@@ -5,13 +5,14 @@ groups, reject what vLLM cannot run with a clear error.
 
 What: wraps ``KVCacheCoordinator.__init__`` (every coordinator calls it) to
 check each group whose shard count K differs from vLLM's flag-derived value
-before any manager is built: only plain full-attention groups (the kind the
-hybrid coordinator admits as DCP-sharded, ~677) may carry one; a partial K
-with PCP > 1 is rejected. The coordinator's later reads of the managers'
-``block_size``/``dcp_world_size`` (``group_block_sizes`` ~182, the unitary
-coordinator ~568, hit lookups ~856 and ~980) follow K through the
-single-type manager patch. Groups vLLM already understands go to the original
-unchanged, including its own assertions.
+before any manager is built: only plain full-attention groups (the kind
+``HybridKVCacheCoordinator.__init__`` admits as DCP-sharded) may carry one; a
+partial K with PCP > 1 is rejected. The coordinators' later reads of the
+managers' ``block_size``/``dcp_world_size`` (``group_block_sizes``, the
+unitary coordinator's block size, the cache-hit lookups in
+``find_longest_cache_hit``) follow K through the single-type manager patch.
+Groups vLLM already understands go to the original unchanged, including its
+own assertions.
 
 Why: vLLM's admission check reads the boolean ``dcp_sharded``; other kinds
 (sliding window, chunked local, Mamba) assert ``dcp_world_size == 1`` only
@@ -28,17 +29,21 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
-    get_kv_cache_dcp_shard_count,
-    upstream_shard_count,
+from vllm_dcp_geometry.contract import (
+    DcpGeometryError,
+    check_prefill_context_parallel,
 )
-from vllm_dcp_geometry.patches.engine_core.kv_cache_utils import group_owner
+from vllm_dcp_geometry.geometry import (
+    default_shard_count,
+    get_kv_cache_dcp_shard_count,
+    group_name,
+)
 
 UPSTREAM_MODULE = "vllm.v1.core.kv_cache_coordinator"
-PROCESS = "engine_core"
+RUNS_IN = "engine_core"
 WHY = "admission of DCP groups is decided from the boolean dcp_sharded"
 REMOVE_WHEN = "vLLM coordinators validate per-spec DCP shard counts"
+RELATED = "none upstream: admission reads only dcp_sharded"
 
 _INIT_PARAMETERS = (
     "self, kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, "
@@ -64,9 +69,9 @@ def check_groups_admissible(
 
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
-        owner = group_owner(index, group)
+        owner = group_name(group.layer_names, index)
         k = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
-        if k == upstream_shard_count(spec, dcp_world_size):
+        if k == default_shard_count(spec, dcp_world_size):
             continue
         layers = (
             list(spec.kv_cache_specs.values())
@@ -86,12 +91,7 @@ def check_groups_admissible(
                     "only split full attention over DCP ranks; declare the "
                     "layer replicated (dcp_sharded=False) or use full attention"
                 )
-        if pcp_world_size > 1 and k > 1:
-            raise DcpGeometryError(
-                f"{owner}: a partial shard count K={k} (D={dcp_world_size}) "
-                f"cannot be combined with prefill context parallelism "
-                f"(PCP={pcp_world_size})"
-            )
+        check_prefill_context_parallel(owner, k, dcp_world_size, pcp_world_size)
 
 
 def _make_init(original: Callable[..., None]) -> Callable[..., None]:

@@ -5,10 +5,10 @@ different K apart and checks the operator's overrides reached every worker.
 
 What:
 - ``unify_hybrid_kv_cache_specs`` (hybrid manager disabled) splits layers
-  replicated vs sharded (~864); layers are first partitioned by their
+  replicated vs sharded; layers are first partitioned by their
   ``dcp_kv_shard_count`` and the original runs on each part, so layers with
   different K are never promoted into one type.
-- ``_layer_tp_replicas`` (~1233) asks the spec: a spec flagged sharded whose
+- ``_layer_tp_replicas`` asks the spec: a spec flagged sharded whose
   K is 1 is replicated over DCP ranks and gets vLLM's replicated answer;
   otherwise the original (K > 1 ranks hold different shards).
 - ``get_global_kv_cache_groups`` first runs
@@ -34,17 +34,18 @@ from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
     wrap_module_functions,
 )
-from vllm_dcp_geometry.overrides import check_applied
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
-    dcp_kv_shard_count_of,
+from vllm_dcp_geometry.geometry import (
+    default_shard_count,
+    explicit_shard_count,
     get_kv_cache_dcp_shard_count,
-    upstream_shard_count,
 )
+from vllm_dcp_geometry.overrides import check_applied
 
 UPSTREAM_MODULE = "vllm.v1.core.kv_cache_planning"
-PROCESS = "engine_core"
+RUNS_IN = "engine_core"
 WHY = "KV memory planning splits and deduplicates layers by the boolean dcp_sharded"
 REMOVE_WHEN = "vLLM plans KV memory from a per-spec DCP shard count"
+RELATED = "none upstream: planning keys on the boolean dcp_sharded"
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
@@ -58,7 +59,7 @@ def _make_unify(original: Callable[[dict[str, Any]], None]) -> Callable[..., Non
     def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, Any]) -> None:
         parts: dict[int | None, dict[str, Any]] = {}
         for name, spec in kv_cache_spec.items():
-            parts.setdefault(dcp_kv_shard_count_of(spec), {})[name] = spec
+            parts.setdefault(explicit_shard_count(spec), {})[name] = spec
         if set(parts) <= {None}:
             original(kv_cache_spec)
             return
@@ -79,7 +80,7 @@ def _make_layer_tp_replicas(
         if not isinstance(spec, AttentionSpec):
             return original(spec, tp_size, dcp_size)
         k = get_kv_cache_dcp_shard_count(spec, dcp_size)
-        if k == upstream_shard_count(spec, dcp_size) or k > 1:
+        if k == default_shard_count(spec, dcp_size) or k > 1:
             return original(spec, tp_size, dcp_size)
         # K = 1: every DCP rank holds the same tokens, as for a replicated spec.
         return original(spec, tp_size, 1)

@@ -32,19 +32,20 @@ from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
     wrap_module_functions,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError, virtual_block_size
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
-    get_kv_cache_dcp_shard_count,
-    upstream_shard_count,
+from vllm_dcp_geometry.geometry import (
+    differs_from_default,
+    group_shard_counts,
+    make_virtual_block_size_resolver,
 )
 
 UPSTREAM_MODULE = "vllm.v1.core.kv_cache_utils"
-PROCESS = "engine_core"
+RUNS_IN = "engine_core"
 WHY = (
     "scheduler and hashing block sizes restate B * D from the boolean "
     "dcp_sharded; they must use each group's shard count K"
 )
 REMOVE_WHEN = "vLLM resolves DCP block spans through a per-spec shard count"
+RELATED = "vllm#40996 (review: the B * D rule is spread across the code base)"
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
@@ -58,55 +59,6 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "kv_cache_groups, hash_block_size, dcp_world_size=, manager_classes=",
     ),
 )
-
-
-def group_owner(index: int, group: Any) -> str:
-    """A KV-cache group's name for error messages."""
-    names = list(getattr(group, "layer_names", ()) or ())
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    return f"KV-cache group {index} ({shown or type(group.kv_cache_spec).__name__})"
-
-
-def group_shard_counts(
-    groups: Any, dcp_world_size: int, pcp_world_size: int = 1
-) -> list[int]:
-    """K of every group (validated), rejecting partial K with PCP > 1."""
-    counts = []
-    for index, group in enumerate(groups):
-        owner = group_owner(index, group)
-        k = get_kv_cache_dcp_shard_count(
-            group.kv_cache_spec, dcp_world_size, owner=owner
-        )
-        if pcp_world_size > 1 and 1 < k < dcp_world_size:
-            raise DcpGeometryError(
-                f"{owner}: a partial shard count K={k} (D={dcp_world_size}) "
-                f"cannot be combined with prefill context parallelism "
-                f"(PCP={pcp_world_size})"
-            )
-        counts.append(k)
-    return counts
-
-
-def deviates_from_upstream(spec: Any, dcp_world_size: int) -> bool:
-    """Whether the spec's K differs from what vLLM derives from its flag."""
-    return get_kv_cache_dcp_shard_count(spec, dcp_world_size) != (
-        upstream_shard_count(spec, dcp_world_size)
-    )
-
-
-def make_virtual_block_size_resolver(
-    original: Callable[[Any, int], int],
-) -> Callable[[Any, int], int]:
-    """Wrap a ``(spec, D) -> B * (D if dcp_sharded else 1)`` copy of the rule
-    so it answers ``B * K``; the original runs where K is vLLM's own."""
-
-    def resolve_dcp_kv_block_size(spec: Any, dcp_world_size: int) -> int:
-        k = get_kv_cache_dcp_shard_count(spec, dcp_world_size)
-        if k == upstream_shard_count(spec, dcp_world_size):
-            return original(spec, dcp_world_size)
-        return virtual_block_size(spec.block_size, k)
-
-    return resolve_dcp_kv_block_size
 
 
 class _ParallelConfigView:
@@ -143,12 +95,12 @@ def _make_resolve_kv_cache_block_sizes(
         dcp = parallel.decode_context_parallel_size
         groups = kv_cache_config.kv_cache_groups
         counts = group_shard_counts(
-            groups, dcp, getattr(parallel, "prefill_context_parallel_size", 1)
+            groups, dcp, pcp_world_size=parallel.prefill_context_parallel_size
         )
         # Several groups: the LCM runs over resolve_dcp_kv_block_size, which is
         # K-aware. One group: the original reads D and the group's flag itself,
         # so it runs against the group's geometry.
-        if len(groups) != 1 or not deviates_from_upstream(groups[0].kv_cache_spec, dcp):
+        if len(groups) != 1 or not differs_from_default(groups[0].kv_cache_spec, dcp):
             return original(kv_cache_config, vllm_config)
         return original(kv_cache_config, _VllmConfigView(vllm_config, counts[0]))
 

@@ -5,8 +5,8 @@ that restate the DCP rule refuse partial shard counts.
 
 What: wraps ``KVConnectorBase_V1.__init__`` (every v1 connector, and every
 child of ``MultiConnector``, runs it). Filed under the engine core because
-the scheduler-side connector is where start-up fails; the wrapper runs in
-every process that imports the module, workers included.
+the scheduler-side connector is where start-up fails first; workers build
+their connector through the same constructor and are checked too.
 If a KV-cache group's shard count K differs from what vLLM derives from
 ``dcp_sharded`` and the connector is not one whose DCP handling follows K, it
 raises ``DcpGeometryError`` naming the connector and the groups. Connectors
@@ -35,16 +35,17 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+from vllm_dcp_geometry.geometry import (
+    default_shard_count,
     get_kv_cache_dcp_shard_count,
-    upstream_shard_count,
+    group_name,
 )
-from vllm_dcp_geometry.patches.engine_core.kv_cache_utils import group_owner
 
 UPSTREAM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
-PROCESS = "engine_core"
+RUNS_IN = "engine_core"
 WHY = "several KV connectors restate block_size * D from the boolean dcp_sharded"
 REMOVE_WHEN = "vLLM KV connectors read a per-spec DCP shard count"
+RELATED = "vllm#50611 (NIXL DCP for MLA assumes K in {1, D} per side)"
 
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
@@ -71,9 +72,9 @@ def deviating_groups(kv_cache_config: Any, dcp_world_size: int) -> list[str]:
     found = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        owner = group_owner(index, group)
+        owner = group_name(group.layer_names, index)
         k = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
-        if k != upstream_shard_count(spec, dcp_world_size):
+        if k != default_shard_count(spec, dcp_world_size):
             found.append(f"{owner}: K={k}")
     return found
 

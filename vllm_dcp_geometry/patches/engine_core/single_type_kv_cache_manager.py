@@ -28,16 +28,18 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.patches.common.kv_cache_interface import (
+from vllm_dcp_geometry.contract import check_prefill_context_parallel
+from vllm_dcp_geometry.geometry import (
+    default_shard_count,
     get_kv_cache_dcp_shard_count,
-    upstream_shard_count,
+    group_name,
 )
 
 UPSTREAM_MODULE = "vllm.v1.core.single_type_kv_cache_manager"
-PROCESS = "engine_core"
+RUNS_IN = "engine_core"
 WHY = "managers scale block_size by D from the boolean dcp_sharded, not by K"
 REMOVE_WHEN = "vLLM managers read a per-spec DCP shard count"
+RELATED = "vllm#40996 (Mamba managers undo the DCP block-size scaling)"
 
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
@@ -57,17 +59,14 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
         bound = signature.bind(self, *args, **kwargs)
         spec = bound.arguments["kv_cache_spec"]
         dcp = bound.arguments.get("dcp_world_size", 1)
-        owner = f"KV-cache group {bound.arguments.get('kv_cache_group_id', '?')}"
+        owner = group_name(index=bound.arguments.get("kv_cache_group_id"))
         k = get_kv_cache_dcp_shard_count(spec, dcp, owner=owner)
-        if k == upstream_shard_count(spec, dcp):
+        if k == default_shard_count(spec, dcp):
             original(self, *args, **kwargs)
             return
-        pcp = bound.arguments.get("pcp_world_size", 1)
-        if pcp > 1 and k > 1:
-            raise DcpGeometryError(
-                f"{owner}: a partial shard count K={k} (D={dcp}) cannot be "
-                f"combined with prefill context parallelism (PCP={pcp})"
-            )
+        check_prefill_context_parallel(
+            owner, k, dcp, bound.arguments.get("pcp_world_size", 1)
+        )
         bound.arguments["dcp_world_size"] = k
         # K = 1 is replicated geometry, which vLLM runs without PCP sharding.
         bound.arguments["pcp_world_size"] = 1

@@ -28,15 +28,16 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.patches.worker.gpu_model_runner import group_owner
+from vllm_dcp_geometry.geometry import get_kv_cache_dcp_shard_count, group_name
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "DFlash-family speculators compute draft slots with CP_SIZE = their own "
     "dcp_size, which only matches a draft group whose K is that size."
 )
 REMOVE_WHEN = "the DFlash slot kernels take each draft group's DCP shard count"
+RELATED = "vllm#48392 (dense DFlash/DSpark drafts under DCP)"
 
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
@@ -56,11 +57,9 @@ def check_draft_group_geometry(
     target_dcp_size: int,
 ) -> None:
     """Every draft group's K must be the ``CP_SIZE`` of the DFlash kernel."""
-    from vllm.v1.kv_cache_interface import get_kv_cache_dcp_shard_count  # type: ignore[attr-defined]
-
     for gid in draft_group_ids:
         group = kv_cache_config.kv_cache_groups[gid]
-        owner = group_owner(gid, list(group.layer_names))
+        owner = group_name(group.layer_names, gid)
         k = get_kv_cache_dcp_shard_count(
             group.kv_cache_spec, target_dcp_size, owner=owner
         )

@@ -45,21 +45,26 @@ from typing import Any
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
-    active_group_geometry,
     bind_group_impls,
-    current_group_geometry,
     register_partial_shard_builder,
     resolve_group_geometry,
 )
+from vllm_dcp_geometry.group_context import (
+    current_group_geometry,
+    use_group_geometry,
+)
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flash_attn"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "FlashAttention builders take DCP (D, r) from the boolean dcp_sharded and "
     "impls take the global D; partial and replicated groups need (K, r % K), "
     "local attention for K = 1 and an exact LSE combine for 1 < K < D."
 )
 REMOVE_WHEN = "upstream FlashAttention takes a per-group DCP shard count"
+RELATED = (
+    "vllm#48392 (dense drafts: the DCP query all-gather needs replicated KV heads)"
+)
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
@@ -106,12 +111,12 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         device: Any,
     ) -> None:
         geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is None or geometry.matches_upstream:
+        if geometry is None or geometry.matches_default:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
             if geometry is None:
                 return
         else:
-            with active_group_geometry(geometry):
+            with use_group_geometry(geometry):
                 original(self, kv_cache_spec, layer_names, vllm_config, device)
             if geometry.is_partial:
                 # The DCP context pass attends with the queries of all D ranks.

@@ -45,25 +45,27 @@ from typing import Any
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
-    GroupAttentionGeometry,
-    active_group_geometry,
     bind_group_impls,
-    current_group_geometry,
     group_local_seq_lens,
     mask_combine,
     register_partial_shard_builder,
     resolve_group_geometry,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.group_context import (
+    current_group_geometry,
+    use_group_geometry,
+)
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flashinfer"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "FlashInfer builders take DCP (D, r) from the boolean dcp_sharded, trtllm "
     "decode reads the global local sequence lengths and every combine spans "
     "the D ranks; partial and replicated groups need their own geometry."
 )
 REMOVE_WHEN = "upstream FlashInfer takes a per-group DCP shard count"
+RELATED = "none upstream: FlashInfer takes DCP from the boolean dcp_sharded"
 
 LOCAL_SEQ_LENS_BUFFER_ATTR = "_vllm_dcp_geometry_local_seq_lens"
 
@@ -138,7 +140,7 @@ def _make_local_seq_lens(original: Callable[..., Any]) -> Callable[..., Any]:
     return get_dcp_local_seq_lens
 
 
-def _partial_geometry(builder: Any) -> GroupAttentionGeometry | None:
+def _partial_geometry(builder: Any) -> GroupGeometry | None:
     geometry = getattr(builder, BOUND_GEOMETRY_ATTR, None)
     if geometry is None or not geometry.is_partial:
         return None
@@ -157,8 +159,8 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         if geometry is None:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
             return
-        if geometry.is_replicated and not geometry.matches_upstream:
-            with active_group_geometry(geometry):
+        if geometry.is_replicated and not geometry.matches_default:
+            with use_group_geometry(geometry):
                 original(self, kv_cache_spec, layer_names, vllm_config, device)
         else:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
@@ -181,7 +183,7 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def with_group_local_seq_lens(
-    builder: Any, common_attn_metadata: Any, geometry: GroupAttentionGeometry
+    builder: Any, common_attn_metadata: Any, geometry: GroupGeometry
 ) -> Any:
     """A copy of the common metadata whose DCP local lengths are the group's,
     held in the builder's persistent buffer (rows past the batch read 0)."""
@@ -217,7 +219,7 @@ def _make_build(original: Callable[..., Any]) -> Callable[..., Any]:
         if geometry is None:
             return original(self, common_prefix_len, common_attn_metadata, fast_build)
         group_metadata = with_group_local_seq_lens(self, common_attn_metadata, geometry)
-        with active_group_geometry(geometry):
+        with use_group_geometry(geometry):
             return original(self, common_prefix_len, group_metadata, fast_build)
 
     return build

@@ -3,16 +3,16 @@
 """Patch ``vllm.v1.worker.gpu.block_table``: V2 slot mappings per group K.
 
 What: ``BlockTables.__init__`` takes an optional keyword ``dcp_shard_counts``
-(one K per cache group; Model Runner V2 hands it over through
-``pending_dcp_shard_counts``). ``compute_slot_mappings`` then launches vLLM's
-own ``_compute_slot_mappings_kernel`` once with ``CP_SIZE`` = the most common
+(one K per cache group; Model Runner V2 hands it over through the
+``group_context.pending_dcp_shard_counts`` side channel).
+``compute_slot_mappings`` then launches vLLM's own
+``_compute_slot_mappings_kernel`` once with ``CP_SIZE`` = the most common
 sharded K (its per-group ``dcp_sharded`` mask covers the K = 1 groups in the
 same launch), and once more per contiguous run of groups with any other K, on
-that run's slice of the per-group tensors, with ``CP_SIZE = K`` and
-``cp_rank = r % K``. Where every group's K is what upstream implies from
-``dcp_sharded`` (D or 1), the original method runs. Sliding-window null
-masking stays on for replicated groups (K = 1), whose columns still cover
-contiguous token ranges.
+that run's slice of the per-group tensors, with ``CP_SIZE = K`` and ``cp_rank
+= r % K``. Where every group's K is what upstream implies from ``dcp_sharded``
+(D or 1), the original method runs. Sliding-window null masking stays on for
+replicated groups (K = 1), whose columns still cover contiguous token ranges.
 
 Why: vLLM 0.33.0 has one ``CP_SIZE`` for all groups plus a sharded/replicated
 bool, so a partial group (1 < K < D) gets the D-shard mapping, and it turns the
@@ -23,25 +23,29 @@ Remove when: vLLM's V2 block tables take a shard count per cache group.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.contract import DcpGeometryError, shard_position
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.geometry import group_name
+from vllm_dcp_geometry.group_context import (
+    TAKEN_SHARD_COUNTS_ATTR,
+    pending_shard_counts,
+)
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu.block_table"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "Model Runner V2 block tables have one CP_SIZE for all groups plus a bool, "
     "so partial shard counts get the D-shard slot mapping."
 )
 REMOVE_WHEN = "vLLM's V2 block tables take the DCP shard count per cache group"
+RELATED = "vllm#56723 (per-group dcp_sharded in BlockTables); vllm#51031"
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
@@ -58,27 +62,16 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=",
     ),
     # Launched, not replaced.
-    UpstreamSymbol(_M, "_compute_slot_mappings_kernel"),
+    UpstreamSymbol(
+        _M,
+        "_compute_slot_mappings_kernel",
+        "max_num_tokens, idx_mapping, query_start_loc, pos, block_table_ptrs, "
+        "block_table_strides, block_sizes, slot_mapping_enabled, dcp_sharded, "
+        "slot_mappings_ptr, slot_mappings_stride, cp_rank, CP_SIZE, "
+        "CP_INTERLEAVE, PAD_ID, TRITON_BLOCK_SIZE",
+    ),
     UpstreamSymbol(_M, "PAD_SLOT_ID"),
 )
-
-SHARD_COUNTS_ATTR = "dcp_shard_counts"
-"""``BlockTables`` attribute: the K of every group (None: upstream geometry)."""
-
-_pending_shard_counts: contextvars.ContextVar[tuple[int, ...] | None] = (
-    contextvars.ContextVar("vllm_dcp_geometry_shard_counts", default=None)
-)
-
-
-@contextlib.contextmanager
-def pending_dcp_shard_counts(shard_counts: Sequence[int]) -> Iterator[None]:
-    """Hand ``shard_counts`` to every ``BlockTables`` built inside (Model Runner
-    V2 builds it inside ``initialize_kv_cache``)."""
-    token = _pending_shard_counts.set(tuple(shard_counts))
-    try:
-        yield
-    finally:
-        _pending_shard_counts.reset(token)
 
 
 @dataclass(frozen=True)
@@ -156,10 +149,10 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
         counts = (
             tuple(dcp_shard_counts)
             if dcp_shard_counts is not None
-            else _pending_shard_counts.get()
+            else pending_shard_counts()
         )
         original(self, *args, **kwargs)
-        setattr(self, SHARD_COUNTS_ATTR, None)
+        setattr(self, TAKEN_SHARD_COUNTS_ATTR, None)
         self._dcp_slot_launches = None
         if counts is None:
             return
@@ -179,12 +172,14 @@ def _configure(self: Any, counts: tuple[int, ...], arguments: dict[str, Any]) ->
             f"{len(counts)} DCP shard counts for {n} KV-cache groups"
         )
     cp_size, cp_rank = self.cp_size, self.cp_rank
-    for group, k in enumerate(counts):
-        try:
-            shard_position(cp_rank, k, cp_size)
-        except DcpGeometryError as exc:
-            raise DcpGeometryError(f"KV-cache group {group}: {exc}") from exc
-    setattr(self, SHARD_COUNTS_ATTR, counts)
+    # Validates every K against (D, r); a launch with shard count K runs as
+    # shard r % K of that K.
+    shard_of = {
+        k: GroupGeometry(group_name(index=i), k, cp_size, cp_rank).shard
+        for i, k in enumerate(counts)
+    }
+    shard_of.setdefault(1, 0)
+    setattr(self, TAKEN_SHARD_COUNTS_ATTR, counts)
     if cp_size == 1:
         return
 
@@ -214,7 +209,7 @@ def _configure(self: Any, counts: tuple[int, ...], arguments: dict[str, Any]) ->
                 start=start,
                 stop=stop,
                 shard_count=k,
-                shard=cp_rank % k,
+                shard=shard_of[k],
                 enabled=torch.tensor(on, dtype=torch.bool, device=self.device),
                 sharded=torch.tensor(sh, dtype=torch.bool, device=self.device),
             )
@@ -268,8 +263,4 @@ def _make_compute_slot_mappings(
 def apply(module: ModuleType) -> None:
     cls = module.BlockTables
     wrap(cls, "__init__", _make_init)
-    wrap(
-        cls,
-        "compute_slot_mappings",
-        lambda original: _make_compute_slot_mappings(original, module),
-    )
+    wrap(cls, "compute_slot_mappings", _make_compute_slot_mappings, module)

@@ -7,7 +7,8 @@ builds the block-table layout of the KV-cache groups (shard count K, width
 with the spec's token alignment, slot mode from ``uses_slot_mapping``; the
 encoder-only groups upstream skips are skipped, so table index and group index
 may differ) and hands it to the ``MultiGroupBlockTable`` the runner builds
-(see ``patches.worker.block_table``). At D = 1 it calls the original.
+through the ``group_context.pending_block_table_layout`` side channel. At
+D = 1 it calls the original.
 It also wraps ``GPUModelRunner.get_kv_cache_spec``: the specs this worker
 collects get the operator's ``--additional-config`` DCP geometry overrides
 (``vllm_dcp_geometry.overrides``), identically on every worker.
@@ -27,20 +28,21 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
-from vllm_dcp_geometry.patches.worker.block_table import (
-    BlockTableLayout,
-    block_table_layout,
+from vllm_dcp_geometry.geometry import BlockTableLayout, input_batch_layout
+from vllm_dcp_geometry.group_context import (
+    TAKEN_LAYOUT_ATTR,
     pending_block_table_layout,
 )
+from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu_model_runner"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "Model Runner V1 gives every block table the global DCP size and picks slot "
     "mode and alignment from the cache kind, not from the spec."
 )
 REMOVE_WHEN = "Model Runner V1 passes per-group DCP geometry to its block tables"
+RELATED = "vllm#40996 (DCP with hybrid attention); none gives V1 tables a K"
 
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
@@ -51,62 +53,24 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(UPSTREAM_MODULE, "GPUModelRunner.get_kv_cache_spec", "self"),
 )
 
-LAYOUT_ATTR = "dcp_geometry_layout"
+RUNNER_LAYOUT_ATTR = "dcp_geometry_layout"
 """Runner attribute holding the layout its current input batch was built with."""
-
-
-def group_owner(index: int, layer_names: list[str]) -> str:
-    """A readable name for a KV-cache group in error messages."""
-    shown = ", ".join(layer_names[:3])
-    more = f", ... ({len(layer_names)} layers)" if len(layer_names) > 3 else ""
-    return f"KV-cache group {index} ({shown}{more})"
-
-
-def input_batch_layout(
-    kv_cache_config: Any,
-    vllm_config: Any,
-    max_len: int,
-    dcp_world_size: int,
-    dcp_rank: int,
-) -> BlockTableLayout:
-    """The layout of Model Runner V1's tables: one per KV-cache group except
-    encoder-only groups, in group order (as ``may_reinitialize_input_batch``
-    builds them)."""
-    from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
-
-    specs = [
-        (group_owner(index, list(group.layer_names)), group.kv_cache_spec)
-        for index, group in enumerate(kv_cache_config.kv_cache_groups)
-        if get_kv_cache_spec_kind(group.kv_cache_spec)
-        != KVCacheSpecKind.ENCODER_ONLY_ATTENTION
-    ]
-    return block_table_layout(
-        specs,
-        vllm_config,
-        max_len,
-        dcp_world_size,
-        dcp_rank,
-        vllm_config.parallel_config.cp_kv_cache_interleave_size,
-    )
 
 
 def check_input_batch_layout(block_table: Any, layout: BlockTableLayout) -> None:
     """Fail closed unless ``block_table`` (a ``MultiGroupBlockTable``) has
     ``layout``'s tables."""
     tables = list(block_table.block_tables)
-    ok = getattr(block_table, "dcp_geometry_layout", None) == layout and len(
-        tables
-    ) == len(layout.tables)
+    ok = getattr(block_table, TAKEN_LAYOUT_ATTR, None) == layout and len(tables) == len(
+        layout.tables
+    )
     if ok:
-        for table, geometry in zip(tables, layout.tables, strict=True):
-            k = geometry.shard_count
-            if (
-                table.max_num_blocks_per_req != geometry.width
-                or table.dcp_world_size != k
-                or table.dcp_rank != layout.dcp_rank % k
-            ):
-                ok = False
-                break
+        ok = all(
+            table.max_num_blocks_per_req == layout.tables[index].width
+            and (table.dcp_world_size, table.dcp_rank)
+            == layout.group_geometry(index).shard_world
+            for index, table in enumerate(tables)
+        )
     if not ok:
         raise DcpGeometryError(
             "Model Runner V1's input batch was not built with the per-group DCP "
@@ -129,14 +93,14 @@ def _make_may_reinitialize_input_batch(
             dcp,
             self.dcp_rank,
         )
-        if getattr(self, LAYOUT_ATTR, None) != layout:
+        if getattr(self, RUNNER_LAYOUT_ATTR, None) != layout:
             # Upstream rebuilds the InputBatch when its own inputs change; an
             # empty block-size list is how it forces that itself.
             self._init_block_sizes = []
         with pending_block_table_layout(layout):
             original(self, kv_cache_config)
         check_input_batch_layout(self.input_batch.block_table, layout)
-        setattr(self, LAYOUT_ATTR, layout)
+        setattr(self, RUNNER_LAYOUT_ATTR, layout)
 
     return may_reinitialize_input_batch
 

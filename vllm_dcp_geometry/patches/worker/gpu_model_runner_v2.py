@@ -3,10 +3,10 @@
 """Patch ``vllm.v1.worker.gpu.model_runner``: Model Runner V2 asks the spec.
 
 What: wraps ``GPUModelRunner.initialize_kv_cache`` so the ``BlockTables`` it
-builds receive every group's shard count K (``get_kv_cache_dcp_shard_count``;
-see ``patches.worker.gpu_block_table``). Widths already come from
-``spec.max_num_blocks_per_req`` and the spec's alignment upstream. At D = 1 it
-calls the original.
+builds receive every group's shard count K (``get_kv_cache_dcp_shard_count``)
+through the ``group_context.pending_dcp_shard_counts`` side channel. Widths
+already come from ``spec.max_num_blocks_per_req`` and the spec's alignment
+upstream. At D = 1 it calls the original.
 
 Draft groups: upstream ``get_kv_cache_spec`` already marks the draft layers of
 every ``DraftModelSpeculator`` whose ``dcp_size`` is 1 under a DCP target as
@@ -30,24 +30,22 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.contract import DcpGeometryError, check_interleave
-from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
-from vllm_dcp_geometry.patches.worker.block_table import (
-    check_prefill_context_parallel,
-)
-from vllm_dcp_geometry.patches.worker.gpu_block_table import (
-    SHARD_COUNTS_ATTR,
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.geometry import group_shard_counts
+from vllm_dcp_geometry.group_context import (
+    TAKEN_SHARD_COUNTS_ATTR,
     pending_dcp_shard_counts,
 )
-from vllm_dcp_geometry.patches.worker.gpu_model_runner import group_owner
+from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu.model_runner"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "Model Runner V2 builds its block tables from one DCP size plus a "
     "sharded/replicated bool per group."
 )
 REMOVE_WHEN = "Model Runner V2 passes per-group DCP shard counts to BlockTables"
+RELATED = "vllm#56723 (per-group dcp_sharded in Model Runner V2)"
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
@@ -60,29 +58,6 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
 )
 
 
-def group_shard_counts(kv_cache_config: Any, vllm_config: Any) -> list[int]:
-    """K of every KV-cache group, in group order, checked against the
-    interleave and PCP rules."""
-    from vllm.v1.kv_cache_interface import get_kv_cache_dcp_shard_count  # type: ignore[attr-defined]
-
-    parallel_config = vllm_config.parallel_config
-    dcp = parallel_config.decode_context_parallel_size
-    interleave = parallel_config.cp_kv_cache_interleave_size
-    owners_and_counts = []
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
-        owner = group_owner(index, list(group.layer_names))
-        spec = group.kv_cache_spec
-        k = get_kv_cache_dcp_shard_count(spec, dcp, owner=owner)
-        if spec.uses_slot_mapping:
-            try:
-                check_interleave(spec.block_size, k, interleave)
-            except DcpGeometryError as exc:
-                raise DcpGeometryError(f"{owner}: {exc}") from exc
-        owners_and_counts.append((owner, k))
-    check_prefill_context_parallel(vllm_config, owners_and_counts)
-    return [k for _, k in owners_and_counts]
-
-
 def _make_initialize_kv_cache(original: Callable[..., None]) -> Callable[..., None]:
     def initialize_kv_cache(
         self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any
@@ -90,10 +65,17 @@ def _make_initialize_kv_cache(original: Callable[..., None]) -> Callable[..., No
         if self.dcp_size == 1:
             original(self, kv_cache_config, *args, **kwargs)
             return
-        counts = group_shard_counts(kv_cache_config, self.vllm_config)
+        parallel = self.vllm_config.parallel_config
+        counts = group_shard_counts(
+            kv_cache_config.kv_cache_groups,
+            parallel.decode_context_parallel_size,
+            pcp_world_size=parallel.prefill_context_parallel_size,
+            interleave_size=parallel.cp_kv_cache_interleave_size,
+        )
         with pending_dcp_shard_counts(counts):
             original(self, kv_cache_config, *args, **kwargs)
-        if getattr(self.block_tables, SHARD_COUNTS_ATTR, None) != tuple(counts):
+        taken = getattr(self.block_tables, TAKEN_SHARD_COUNTS_ATTR, None)
+        if taken != tuple(counts):
             raise DcpGeometryError(
                 "Model Runner V2's block tables were not built with the "
                 "per-group DCP shard counts; refusing to run with the global "

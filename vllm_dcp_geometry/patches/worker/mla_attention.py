@@ -32,12 +32,13 @@ from vllm_dcp_geometry.attention_geometry import (
 )
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.mla_attention"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "MLA builders/impls size workspaces and split context over the global D; "
     "a partial shard count must be refused at start-up, not run wrongly."
 )
 REMOVE_WHEN = "MLA takes a per-group DCP shard count"
+RELATED = "vllm#23734 (MLA DCP sizes its workspaces and combine from D)"
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (

@@ -32,12 +32,13 @@ from vllm_dcp_geometry.attention_geometry import (
 )
 
 UPSTREAM_MODULE = "vllm.v1.worker.utils"
-PROCESS = "worker"
+RUNS_IN = "worker"
 WHY = (
     "Only the FlashAttention and FlashInfer builders are taught a partial DCP "
     "shard count; every other backend must refuse one at start-up."
 )
 REMOVE_WHEN = "every attention backend takes a per-group DCP shard count"
+RELATED = "none upstream: backends take D from the process group"
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (

@@ -85,7 +85,7 @@ def test_single_group_block_sizes(spec_kwargs: dict, expected: int) -> None:
 
     config = topo.make_kv_cache_config({"only": topo.attention_spec(**spec_kwargs)}, 8)
     for caching in (True, False):
-        vllm_config = topo.make_vllm_config(16, enable_prefix_caching=caching)
+        vllm_config = topo.scheduler_config(16, enable_prefix_caching=caching)
         assert resolve_kv_cache_block_sizes(config, vllm_config) == (
             expected,
             expected,
@@ -98,7 +98,7 @@ def test_single_group_prefix_match_unit_checked_against_virtual_block() -> None:
     config = topo.make_kv_cache_config(
         {"only": topo.attention_spec(dcp_kv_shard_count=4)}, 8
     )
-    vllm_config = topo.make_vllm_config(16)
+    vllm_config = topo.scheduler_config(16)
     vllm_config.cache_config.prefix_match_unit = B * 16
     with pytest.raises(ValueError, match=f"block size \\({B * 4}\\)"):
         resolve_kv_cache_block_sizes(config, vllm_config)
@@ -112,7 +112,7 @@ def test_invalid_shard_count_fails_at_start_up() -> None:
     specs["partial"] = topo.attention_spec(dcp_kv_shard_count=3)
     config = topo.make_kv_cache_config(specs, 64)
     with pytest.raises(DcpGeometryError, match=r"group 1 .*K=3.*D=16"):
-        resolve_kv_cache_block_sizes(config, topo.make_vllm_config(16))
+        resolve_kv_cache_block_sizes(config, topo.scheduler_config(16))
     with pytest.raises(DcpGeometryError, match="K=3"):
         KVCacheManager(config, 4096, 3072, 64, enable_caching=True, dcp_world_size=16)
 
@@ -123,10 +123,10 @@ def test_partial_k_with_pcp_rejected() -> None:
 
     config = topo.make_kv_cache_config(topo.topology_specs(partial=True), 64)
     with pytest.raises(DcpGeometryError, match=r"group 1 .*K=4.*PCP=2"):
-        resolve_kv_cache_block_sizes(config, topo.make_vllm_config(16, pcp=2))
+        resolve_kv_cache_block_sizes(config, topo.scheduler_config(16, pcp=2))
     # Upstream geometry with PCP still resolves.
     plain = topo.make_kv_cache_config(topo.topology_specs(partial=False), 64)
-    assert resolve_kv_cache_block_sizes(plain, topo.make_vllm_config(16, pcp=2))
+    assert resolve_kv_cache_block_sizes(plain, topo.scheduler_config(16, pcp=2))
     with pytest.raises(DcpGeometryError, match="PCP=2"):
         KVCacheManager(
             config,
@@ -191,7 +191,7 @@ def test_max_concurrency_counts_pages_by_k() -> None:
     length = 1_000_000
     specs = topo.topology_specs(partial=True)
     config = topo.make_kv_cache_config(specs, 100_000)
-    vllm_config = topo.make_vllm_config(16, max_model_len=length)
+    vllm_config = topo.scheduler_config(16, max_model_len=length)
     mamba_pages = 2 + topo.SPECULATIVE_BLOCKS
     attention_pages = sum(
         contract.full_attention_pages_per_request(length, B, k) for k in (16, 4, 1)
@@ -241,7 +241,7 @@ def test_unify_hybrid_keeps_shard_counts_apart() -> None:
 def _connector_config(dcp: int):
     from vllm.config import KVTransferConfig
 
-    config = topo.make_vllm_config(dcp)
+    config = topo.scheduler_config(dcp)
     config.kv_transfer_config = KVTransferConfig(
         kv_connector="DecodeBenchConnector", kv_role="kv_both"
     )

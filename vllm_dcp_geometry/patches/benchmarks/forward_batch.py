@@ -8,8 +8,8 @@ What: replaces ``kv_block_size(spec, dcp_size)`` - an inline copy of
 ``build_batch`` use to size each request's synthetic block table - with
 ``B * K``; where K equals vLLM's value the original runs. Importers holding
 it by name are rebound. (Named ``forward_batch`` because ``batch`` alone says
-nothing; filed under the engine core because it stands in for the
-scheduler's block allocation.)
+nothing; it runs in ``vllm bench``, where it stands in for the scheduler's
+block allocation.)
 
 Why: benchmarking a topology with a partial group would otherwise hand the
 model runner too few blocks for that group.
@@ -25,14 +25,13 @@ from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
     wrap_module_functions,
 )
-from vllm_dcp_geometry.patches.engine_core.kv_cache_utils import (
-    make_virtual_block_size_resolver,
-)
+from vllm_dcp_geometry.geometry import make_virtual_block_size_resolver
 
 UPSTREAM_MODULE = "vllm.benchmarks.forward.batch"
-PROCESS = "engine_core"
+RUNS_IN = "benchmark"
 WHY = "the forward benchmark restates block_size * D from the boolean dcp_sharded"
 REMOVE_WHEN = "vLLM's forward benchmark reads a per-spec DCP shard count"
+RELATED = "none upstream: the benchmark restates the B * D rule inline"
 
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(UPSTREAM_MODULE, "kv_block_size", "spec, dcp_size"),

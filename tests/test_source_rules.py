@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``tools/check_sources.py``: the repository passes it, and each rule fails on a
+deliberately wrong file."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HEADER = (
+    "# SPDX-License-Identifier: Apache-2.0\n"
+    "# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry "
+    "project\n"
+)
+
+
+def _check_sources():
+    spec = importlib.util.spec_from_file_location(
+        "check_sources", REPO / "tools" / "check_sources.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tracked_python_files() -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [line for line in out.stdout.splitlines() if (REPO / line).exists()]
+
+
+@pytest.mark.parametrize("check", ["spdx", "imports"])
+def test_the_repository_passes(check: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "tools/check_sources.py", check, *tracked_python_files()],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from vllm_dcp_geometry.patches.worker.block_table import apply\n",
+        "from vllm_dcp_geometry.patches.worker import block_table\n",
+        "import vllm_dcp_geometry.patches.common.kv_cache_interface as k\n",
+        "def f():\n    from ..patches.engine_core import kv_cache_utils\n",
+        "import importlib\n"
+        "importlib.import_module('vllm_dcp_geometry.patches.worker.utils')\n",
+    ],
+)
+def test_a_patch_module_import_outside_the_registry_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    check = _check_sources()
+    monkeypatch.chdir(tmp_path)
+    where = Path("vllm_dcp_geometry/cli/offender.py")
+    where.parent.mkdir(parents=True)
+    where.write_text(HEADER + source)
+    problems = check.import_problems(where)
+    assert (
+        problems and "imports patch module vllm_dcp_geometry.patches." in (problems[0])
+    )
+    # The registry itself may name them.
+    registry = Path("vllm_dcp_geometry/plugin.py")
+    registry.write_text(HEADER + source)
+    assert not check.import_problems(registry)
+
+
+def test_the_package_and_cpu_switch_rules_fail(tmp_path: Path, monkeypatch) -> None:
+    check = _check_sources()
+    monkeypatch.chdir(tmp_path)
+    where = Path("vllm_dcp_geometry/offender.py")
+    where.parent.mkdir(parents=True)
+    where.write_text(
+        HEADER + "import torch\nimport os\nos.environ['TRITON_INTERPRET'] = '1'\n"
+    )
+    problems = check.import_problems(where)
+    assert any("module-level import of torch" in p for p in problems)
+    assert any("TRITON_INTERPRET is a test-only switch" in p for p in problems)
+    unlicensed = Path("vllm_dcp_geometry/unlicensed.py")
+    unlicensed.write_text("x = 1\n")
+    assert check.spdx_problems(unlicensed)

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The one way tests build a vLLM config.
+
+Imported in the patched test process and in unpatched subprocesses alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+
+def make_vllm_config(
+    dcp: int,
+    *,
+    interleave: int = 1,
+    pcp: int = 1,
+    pp: int = 1,
+    tp: int | None = None,
+    max_model_len: int = 1_000_000,
+    mamba_cache_mode: str = "align",
+    cache_block_size: int | None = None,
+    enable_prefix_caching: bool = False,
+    additional_config: dict[str, Any] | None = None,
+    real: bool = False,
+    model_dir: Path | None = None,
+) -> Any:
+    """vLLM's real ``ParallelConfig`` and ``CacheConfig`` for DCP ``dcp``.
+
+    By default they sit in a carrier object with the few other fields the
+    spec, scheduler and block-table code reads (a real ``VllmConfig`` needs a
+    device and, for ``model_config``, a model). ``real=True`` builds a real
+    ``VllmConfig`` on the CPU device; ``model_dir`` (a Hugging Face config
+    directory, no weights) adds a real ``ModelConfig`` and implies ``real``.
+    A real config needs the platform's device type set (``cpu_platform``).
+    """
+    from vllm.config import CacheConfig, ParallelConfig
+
+    parallel = ParallelConfig(
+        tensor_parallel_size=tp if tp is not None else max(dcp // pcp, 1),
+        decode_context_parallel_size=dcp,
+        prefill_context_parallel_size=pcp,
+        pipeline_parallel_size=pp,
+        cp_kv_cache_interleave_size=interleave,
+    )
+    cache_fields: dict[str, Any] = {
+        "mamba_cache_mode": mamba_cache_mode,
+        "enable_prefix_caching": enable_prefix_caching,
+    }
+    if cache_block_size is not None:
+        cache_fields["block_size"] = cache_block_size
+    cache = CacheConfig(**cache_fields)
+    if real or model_dir is not None:
+        return _real_config(parallel, cache, additional_config, model_dir)
+    return SimpleNamespace(
+        parallel_config=parallel,
+        cache_config=cache,
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        scheduler_config=SimpleNamespace(max_num_encoder_input_tokens=1500),
+        max_in_flight_tokens=8192,
+        kv_transfer_config=None,
+        speculative_config=None,
+        additional_config=dict(additional_config or {}),
+    )
+
+
+def _real_config(
+    parallel: Any,
+    cache: Any,
+    additional_config: dict[str, Any] | None,
+    model_dir: Path | None,
+) -> Any:
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    fields: dict[str, Any] = {
+        "parallel_config": parallel,
+        "cache_config": cache,
+        "device_config": DeviceConfig(device="cpu"),
+        "additional_config": dict(additional_config or {}),
+    }
+    if model_dir is not None:
+        fields["model_config"] = ModelConfig(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=4096,
+        )
+    return VllmConfig(**fields)
