@@ -125,7 +125,14 @@ BASE_GROUP = {
     [
         ({"kind": "conv"}, "'kind' must be one of"),
         ({"colour": "red"}, "unknown key"),
-        ({"block_size": 0}, "block_size must be a positive integer"),
+        ({"block_size": 0}, r"block_size must be an integer in \[1, 2147483647\]"),
+        ({"block_size": 10**18}, r"block_size must be an integer in \[1, 2147483647\]"),
+        ({"num_kv_heads": 10**18}, "num_kv_heads must be an integer in"),
+        ({"head_size": 10**30}, "head_size must be an integer in"),
+        ({"head_size": 64.0}, "head_size must be an integer"),
+        ({"name": "a\nb"}, "'name' must be a non-empty string of printable"),
+        ({"layers": ["ok", ""]}, "each of 'layers' must be a non-empty string"),
+        ({"dtype": 16}, "dtype must be a non-empty string"),
         ({"dcp_kv_shard_count": 3}, "must divide the DCP world size"),
         ({"dcp_kv_shard_count": 2, "dcp_sharded": False}, "replicated"),
         ({"layers": []}, "at least one layer"),
@@ -176,3 +183,79 @@ def test_profiles_command_lists_every_profile(capsys):
     listed = json.loads(capsys.readouterr().out)["profiles"]
     assert [p["name"] for p in listed] == profile_names()
     assert [p["name"] for p in listed if p["default"]] == [DEFAULT_PROFILE]
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["l.{}.{}", "l.{x}.{}", "l.{0}.{}", "l.{0}", "l.{", "l.}", "l.{:d}", "l.{!r}", "l"],
+)
+def test_layer_template_needs_exactly_one_plain_field(template):
+    group = {**BASE_GROUP, "layer_template": template, "layer_ids": [0, 1]}
+    del group["layers"]
+    with pytest.raises(TopologyError, match="'layer_template' must be a string"):
+        topology_from_mapping({"groups": [group]}, "test")
+
+
+def test_layer_template_with_escaped_braces():
+    group = {**BASE_GROUP, "layer_template": "l.{{x}}.{}", "layer_ids": [3]}
+    del group["layers"]
+    (loaded,) = topology_from_mapping({"groups": [group]}, "test").groups
+    assert loaded.layers == ("l.{x}.3",)
+
+
+def test_sharded_sliding_window_under_dcp_is_a_topology_error():
+    window = {
+        **BASE_GROUP,
+        "kind": "sliding_window",
+        "sliding_window": 128,
+    }
+    data = {
+        "parallel": {"tensor_parallel_size": 4, "decode_context_parallel_size": 4},
+        "groups": [window],
+    }
+    with pytest.raises(TopologyError, match="group 'g' is a sliding-window cache"):
+        topology_from_mapping(data, "test")
+    # Replicated, or at DCP 1, it is a valid topology.
+    topology_from_mapping(
+        {**data, "groups": [{**window, "dcp_sharded": False}]}, "test"
+    )
+    topology_from_mapping({"groups": [window]}, "test")
+
+
+def _write(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def test_topology_files_are_read_safely(tmp_path: Path):
+    good = json.dumps({"groups": [BASE_GROUP]})
+    with pytest.raises(TopologyError, match=r"not UTF-8 text: byte 0xff at offset 1"):
+        load_topology_file(_write(tmp_path, "a.json", b"{\xff}"))
+    duplicated = good.replace('"block_size": 16', '"block_size": 0, "block_size": 16')
+    with pytest.raises(TopologyError, match="duplicate key 'block_size'"):
+        load_topology_file(_write(tmp_path, "b.json", duplicated.encode()))
+    top = '{"name": "x", "name": "y", "groups": []}'
+    with pytest.raises(TopologyError, match="duplicate key 'name'"):
+        load_topology_file(_write(tmp_path, "c.json", top.encode()))
+    for text, message in (
+        ('{"groups": NaN}', "NaN is not a valid JSON value"),
+        ('{"a": ' + "9" * 5000 + "}", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ):
+        with pytest.raises(TopologyError, match=message):
+            load_topology_file(_write(tmp_path, "d.json", text.encode()))
+    with pytest.raises(TopologyError, match="not valid TOML"):
+        load_topology_file(_write(tmp_path, "e.toml", b"a = " + b"9" * 5000))
+    (tmp_path / "f.json").mkdir()
+    with pytest.raises(TopologyError, match="is not a regular file"):
+        load_topology_file(tmp_path / "f.json")
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path):
+    import os
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    with pytest.raises(TopologyError, match="is not a regular file"):
+        load_topology_file(fifo)

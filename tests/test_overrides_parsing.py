@@ -11,6 +11,7 @@ from vllm_dcp_geometry.overrides import (
     LayerKind,
     LayerOverride,
     SpecGeometry,
+    layer_geometry,
     match_layers,
     parse_overrides,
     target_geometry,
@@ -48,6 +49,9 @@ def test_parse_values() -> None:
     ("additional_config", "message"),
     [
         ({"dcp_geometry": 4}, "must be a mapping"),
+        # An explicit null is a mistake, not "no overrides".
+        ({"dcp_geometry": None}, "must be a mapping.*got None"),
+        ({"dcp_geometry": {"layers": None}}, "must map layer name patterns"),
         ({"dcp_geometry": {"layer": {}}}, "unknown keys \\['layer'\\]"),
         ({"dcp_geometry": {"layers": ["a"]}}, "must map layer name patterns"),
         (config({"a": 0}), "K must be >= 1"),
@@ -69,11 +73,11 @@ def test_match_globs_and_unmatched_pattern() -> None:
     overrides = parse_overrides(
         config({"model.layers.?.self_attn.attn": 4, "*draft*": "replicated"})
     )
-    chosen = match_layers(overrides, LAYERS)
-    assert {name: o.value for name, o in chosen.items()} == {
-        "model.layers.0.self_attn.attn": 4,
-        "model.layers.3.self_attn.attn": 4,
-        "model.mtp.draft.0.attn": "replicated",
+    matches = match_layers(overrides, LAYERS)
+    assert {name: [o.value for o in found] for name, found in matches.items()} == {
+        "model.layers.0.self_attn.attn": [4],
+        "model.layers.3.self_attn.attn": [4],
+        "model.mtp.draft.0.attn": ["replicated"],
     }
     unmatched = parse_overrides(config({"model.layers.99.*": 4}))
     with pytest.raises(DcpGeometryError, match=r"'model.layers.99.\*': 4.*matches no"):
@@ -84,31 +88,69 @@ def test_match_globs_and_unmatched_pattern() -> None:
         match_layers(parse_overrides(config({"MODEL.*": 4})), LAYERS)
 
 
-def test_conflicting_and_agreeing_patterns() -> None:
-    conflicting = parse_overrides(
-        config({"model.layers.3.*": 4, "model.layers.*.self_attn.attn": "sharded"})
-    )
-    with pytest.raises(
-        DcpGeometryError, match=r"layer 'model.layers.3.self_attn.attn'.*conflict"
-    ):
-        match_layers(conflicting, LAYERS)
-    agreeing = parse_overrides(config({"model.layers.3.*": 4, "*.3.self_attn*": 4}))
-    assert set(match_layers(agreeing, LAYERS)) == {"model.layers.3.self_attn.attn"}
-
-
 FULL = LayerKind.FULL_ATTENTION
+LAYER = "model.layers.3.self_attn.attn"
+
+
+def _geometry_of_layer_3(layers: dict, kind: LayerKind, dcp: int):
+    matches = match_layers(parse_overrides(config(layers)), LAYERS)
+    return layer_geometry(LAYER, matches[LAYER], kind, dcp_world_size=dcp)
+
+
+def test_conflicting_patterns_are_refused() -> None:
+    for layers, kind, dcp in (
+        ({"model.layers.3.*": 4, "model.layers.*.self_attn.attn": "sharded"}, FULL, 16),
+        ({"model.layers.3.*": 1, "*.3.self_attn*": "sharded"}, FULL, 16),
+        ({"model.layers.3.*": 16, "*.3.self_attn*": 8}, FULL, 16),
+        ({"model.layers.3.*": "replicated", "*.3.self_attn*": "sharded"}, FULL, 4),
+    ):
+        with pytest.raises(DcpGeometryError, match=rf"layer '{LAYER}'.*conflict"):
+            _geometry_of_layer_3(layers, kind, dcp)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "kind", "dcp", "expected"),
+    [
+        (4, 4, FULL, 16, SpecGeometry(True, 4)),
+        (1, "replicated", FULL, 16, SpecGeometry(False, None)),
+        ("replicated", 1, FULL, 16, SpecGeometry(False, None)),
+        (16, "sharded", FULL, 16, SpecGeometry(True, None)),
+        ("sharded", 8, FULL, 8, SpecGeometry(True, None)),
+        (1, "replicated", LayerKind.RECURRENT, 16, None),
+        # D = 1: every value means K = 1.
+        (1, "sharded", FULL, 1, None),
+    ],
+)
+def test_equal_values_written_differently_agree(
+    first, second, kind, dcp, expected
+) -> None:
+    layers = {"model.layers.3.*": first, "*.3.self_attn*": second}
+    assert _geometry_of_layer_3(layers, kind, dcp) == expected
+
+
+def test_every_matching_pattern_is_checked() -> None:
+    # "sharded" on recurrent state is an error even where "replicated" also
+    # matches and both mean K = 1 (D = 1): the order of the patterns decides
+    # nothing.
+    for layers in (
+        {"model.layers.3.*": "replicated", "*.3.self_attn*": "sharded"},
+        {"model.layers.3.*": "sharded", "*.3.self_attn*": "replicated"},
+    ):
+        with pytest.raises(DcpGeometryError, match="never token-sharded"):
+            _geometry_of_layer_3(layers, LayerKind.RECURRENT, 1)
 
 
 @pytest.mark.parametrize(
     ("value", "kind", "dcp", "expected"),
     [
         (4, FULL, 16, SpecGeometry(True, 4)),
+        (4, FULL, 8, SpecGeometry(True, 4)),
         (16, FULL, 16, SpecGeometry(True, None)),
         ("sharded", FULL, 16, SpecGeometry(True, None)),
         (1, FULL, 16, SpecGeometry(False, None)),
         ("replicated", FULL, 16, SpecGeometry(False, None)),
-        ("replicated", LayerKind.MLA, 16, SpecGeometry(False, None)),
-        ("sharded", LayerKind.MLA, 16, SpecGeometry(True, None)),
+        ("replicated", FULL, 16, SpecGeometry(False, None)),
+        ("sharded", FULL, 16, SpecGeometry(True, None)),
         ("replicated", LayerKind.OTHER_ATTENTION, 16, SpecGeometry(False, None)),
         ("replicated", LayerKind.RECURRENT, 16, None),
         (1, LayerKind.RECURRENT, 16, None),
@@ -129,7 +171,6 @@ def test_target_geometry(value, kind, dcp, expected) -> None:
         (3, FULL, 16, 1, "K=3 must divide the DCP world size D=16"),
         (32, FULL, 16, 1, "K=32 must divide"),
         (4, FULL, 1, 1, "K=4 must divide the DCP world size D=1"),
-        (4, LayerKind.MLA, 16, 1, "MLA attention cannot be partially sharded"),
         (4, LayerKind.RECURRENT, 16, 1, "never token-sharded"),
         ("sharded", LayerKind.RECURRENT, 16, 1, "never token-sharded"),
         ("sharded", LayerKind.RECURRENT, 1, 1, "never token-sharded"),

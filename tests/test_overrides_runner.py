@@ -152,6 +152,14 @@ def test_overrides_applied_by_the_runner(run, make_config) -> None:
 
 
 @RUNNERS
+def test_an_mla_layer_takes_a_partial_k(run, make_config) -> None:
+    # Spec collection writes K; whether the MLA backend can run it is the
+    # attention admission's decision when the builders are made.
+    specs = run(make_config({"model.layers.4.self_attn.attn": 4}))
+    assert specs["model.layers.4.self_attn.attn"].dcp_kv_shard_count == 4
+
+
+@RUNNERS
 def test_overrides_are_inert_at_dcp1(run, make_config) -> None:
     plain = run(make_config({}, dcp=1))
     specs = run(make_config({"model.layers.*.self_attn.attn": "replicated"}, dcp=1))
@@ -164,7 +172,6 @@ def test_overrides_are_inert_at_dcp1(run, make_config) -> None:
     [
         ({"model.layers.42.*": 4}, {}, "matches no layer"),
         ({"model.layers.3.*": 3}, {}, "K=3 must divide the DCP world size D=16"),
-        ({"model.layers.4.*": 4}, {}, "layers.4.self_attn.attn.*MLA"),
         ({"model.layers.2.*": 4}, {}, "layers.2.mixer.*never token-sharded"),
         ({"model.layers.5.*": 2}, {}, "layers.5.self_attn.attn.*only full attention"),
         ({"model.layers.3.*": 4}, {"pcp": 2}, "layers.3.self_attn.attn.*PCP=2"),
@@ -181,6 +188,33 @@ def test_override_errors_at_spec_collection(
 ) -> None:
     with pytest.raises(DcpGeometryError, match=message):
         run(make_config(layers, **kwargs))
+
+
+@RUNNERS
+def test_a_null_section_is_refused_at_spec_collection(run, make_config) -> None:
+    config = make_config({})
+    config.additional_config = {"dcp_geometry": None}
+    with pytest.raises(DcpGeometryError, match=r"\['dcp_geometry'\] must be a mapping"):
+        run(config)
+
+
+@RUNNERS
+def test_equal_values_written_differently_are_no_conflict(run, make_config) -> None:
+    from vllm.v1.kv_cache_interface import get_kv_cache_dcp_shard_count
+
+    specs = run(
+        make_config(
+            {
+                "model.layers.3.*": 1,
+                "*.3.self_attn.attn": "replicated",
+                "model.layers.0.*": 16,
+                "*.0.self_attn.attn": "sharded",
+            }
+        )
+    )
+    k = {name: get_kv_cache_dcp_shard_count(s, 16) for name, s in specs.items()}
+    assert k["model.layers.3.self_attn.attn"] == 1
+    assert k["model.layers.0.self_attn.attn"] == 16
 
 
 @RUNNERS

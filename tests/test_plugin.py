@@ -143,13 +143,22 @@ def test_override_allows_other_version_with_warning(
     assert "written for vllm==0.33.0" in caplog.text
 
 
+def import_every_patched_module() -> dict[str, str]:
+    """Register, import every vLLM module a patch targets, and return the
+    patches applied (all of them)."""
+    plugin.register()
+    for patch in patch_modules():
+        importlib.import_module(patch.UPSTREAM_MODULE)
+    return plugin.applied_patches()
+
+
 def test_register_is_idempotent() -> None:
     from vllm.v1 import kv_cache_interface as k
 
     before = k.AttentionSpec.__dict__["max_num_blocks_per_req"]
     plugin.register()
     plugin.register()
-    plugin.apply_all_now()
+    assert set(import_every_patched_module()) == set(PATCH_MODULES)
     after = k.AttentionSpec.__dict__["max_num_blocks_per_req"]
     assert before is after
     original = _patching.original_of(after)
@@ -161,13 +170,13 @@ def test_patch_applies_whether_vllm_is_imported_before_or_after() -> None:
     script = """
 import json, sys
 import vllm_dcp_geometry
-from vllm_dcp_geometry._patching import pending_modules
 if IMPORT_FIRST:
     import vllm.v1.kv_cache_interface
 vllm_dcp_geometry.register()
-waiting = "vllm.v1.kv_cache_interface" in pending_modules()
+# register() itself imports no vLLM module: the patch waits for the import.
+imported = "vllm.v1.kv_cache_interface" in sys.modules
 import vllm.v1.kv_cache_interface as k
-print(json.dumps([waiting, hasattr(k, "get_kv_cache_dcp_shard_count")]))
+print(json.dumps([imported, hasattr(k, "get_kv_cache_dcp_shard_count")]))
 """
     for import_first in (False, True):
         result = run_python(
@@ -175,7 +184,7 @@ print(json.dumps([waiting, hasattr(k, "get_kv_cache_dcp_shard_count")]))
             patched=False,
             cpu_prelude=False,
         )
-        assert result == [not import_first, True]
+        assert result == [import_first, True]
 
 
 # The patch table ----------------------------------------------------------------
@@ -269,7 +278,6 @@ patch.PATCHED_SYMBOLS = patch.PATCHED_SYMBOLS + (
 try:
     plugin.register()
     import vllm.v1.kv_cache_interface
-    plugin.apply_all_now()
     print(json.dumps("registered"))
 except Exception as exc:
     print(json.dumps(type(exc).__name__ + ": " + str(exc)))

@@ -4,23 +4,26 @@
 
 Every patch module under ``vllm_dcp_geometry.patches`` declares the upstream
 module it patches, the symbols it replaces (with the parameter list it was
-written against), why, and when it can go. ``install`` applies each one the
-moment its upstream module is imported (at once if it already is), so a
-process only pays for the vLLM modules it really loads. A symbol that is
-missing or whose parameters changed raises ``UpstreamChangedError``: a patch
-never switches itself off.
+written against), why, and when it can go. ``plugin.register`` applies each
+one the moment its upstream module is imported (at once if it already is,
+through ``_import_hooks``), so a process only pays for the vLLM modules it
+really loads. A symbol that is missing or whose parameters changed raises
+``UpstreamChangedError``: a patch never switches itself off.
+
+Every change the helpers here make (``wrap``, ``add_attribute``,
+``rebind_module_references``, ``set_item``) is recorded while an
+``undo_on_error`` block runs, and undone if the block raises, so applying a
+set of patches is all or nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.abc
-import importlib.machinery
 import inspect
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal, Protocol
@@ -68,6 +71,68 @@ class PatchModule(Protocol):
     RELATED: str
 
     def apply(self, module: ModuleType) -> None: ...
+
+
+# Undo journal -------------------------------------------------------------------
+
+_MISSING = object()
+_journal = threading.local()
+
+
+def _record(undo: Callable[[], None]) -> None:
+    entries = getattr(_journal, "entries", None)
+    if entries is not None:
+        entries.append(undo)
+
+
+def _assign(owner: Any, name: str, value: Any) -> None:
+    """``setattr``, recorded so an ``undo_on_error`` block can restore it."""
+    namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
+    previous = namespace.get(name, _MISSING)
+
+    def undo() -> None:
+        if previous is _MISSING:
+            with contextlib.suppress(AttributeError):
+                delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+
+    _record(undo)
+    setattr(owner, name, value)
+
+
+def set_item(mapping: MutableMapping[Any, Any], key: Any, value: Any) -> None:
+    """``mapping[key] = value``, recorded so an ``undo_on_error`` block can
+    restore it (for upstream registries such as a dataclass's fields)."""
+    previous = mapping.get(key, _MISSING)
+
+    def undo() -> None:
+        if previous is _MISSING:
+            mapping.pop(key, None)
+        else:
+            mapping[key] = previous
+
+    _record(undo)
+    mapping[key] = value
+
+
+@contextlib.contextmanager
+def undo_on_error() -> Iterator[None]:
+    """Undo every change the helpers of this module make in this thread while
+    the block runs if it raises; nested blocks fold into the outer one."""
+    outer = getattr(_journal, "entries", None)
+    entries: list[Callable[[], None]] = []
+    _journal.entries = entries
+    try:
+        yield
+    except BaseException:
+        for undo in reversed(entries):
+            undo()
+        raise
+    finally:
+        _journal.entries = outer
+    if outer is not None:
+        outer.extend(entries)
 
 
 def _callable_of(obj: Any) -> Any:
@@ -204,22 +269,27 @@ def wrap(
         new = classmethod(new)
     elif isinstance(raw, staticmethod):
         new = staticmethod(new)
-    setattr(owner, name, new)
+    _assign(owner, name, new)
 
 
-def add_attribute(owner: type, name: str, value: Any) -> None:
-    """Add a new attribute this plugin defines; refuse to shadow upstream's."""
-    existing = owner.__dict__.get(name)
+def add_attribute(owner: type | ModuleType, name: str, value: Any) -> None:
+    """Add a new attribute (to a class or module) this plugin defines; refuse
+    to shadow upstream's."""
+    existing = vars(owner).get(name)
     if existing is not None and not hasattr(_callable_of(existing), ORIGINAL_ATTR):
         defined_in = getattr(_callable_of(existing), "__module__", None) or ""
         if defined_in.startswith("vllm_dcp_geometry"):
             return
-        raise UpstreamChangedError(
-            f"{owner.__module__}.{owner.__qualname__} now defines {name!r} itself; "
-            "vllm-dcp-geometry would shadow it. Review the plugin against this "
-            "vLLM before running."
+        where = (
+            owner.__name__
+            if isinstance(owner, ModuleType)
+            else f"{owner.__module__}.{owner.__qualname__}"
         )
-    setattr(owner, name, value)
+        raise UpstreamChangedError(
+            f"{where} now defines {name!r} itself; vllm-dcp-geometry would shadow "
+            "it. Review the plugin against this vLLM before running."
+        )
+    _assign(owner, name, value)
 
 
 def rebind_module_references(
@@ -239,7 +309,7 @@ def rebind_module_references(
         for attr, value in list(namespace.items()):
             new = by_id.get(id(value))
             if new is not None and new is not value:
-                setattr(mod, attr, new)
+                _assign(mod, attr, new)
                 changed.append(f"{mod_name}.{attr}")
     return changed
 
@@ -256,85 +326,3 @@ def wrap_module_functions(
         wrap(module, name, make_wrapper)
         replacements[original] = getattr(module, name)
     return rebind_module_references(replacements)
-
-
-# Post-import hooks --------------------------------------------------------------
-
-
-_lock = threading.RLock()
-_hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
-
-
-class _HookedLoader(importlib.abc.Loader):
-    """Runs the registered callbacks right after the real loader executes."""
-
-    def __init__(self, loader: importlib.abc.Loader, fullname: str) -> None:
-        self._loader = loader
-        self._fullname = fullname
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        # Tracebacks and inspect.getsource read __loader__.
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        _run_hooks(self._fullname, module)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    def __init__(self) -> None:
-        self._resolving: set[str] = set()
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _hooks or fullname in self._resolving:
-            return None
-        self._resolving.add(fullname)
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
-        finally:
-            self._resolving.discard(fullname)
-        if spec.loader is None:
-            return spec
-        spec.loader = _HookedLoader(spec.loader, fullname)
-        return spec
-
-
-_finder = _PostImportFinder()
-
-
-def _run_hooks(fullname: str, module: ModuleType) -> None:
-    with _lock:
-        callbacks = _hooks.pop(fullname, [])
-    for callback in callbacks:
-        callback(module)
-
-
-def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Call ``callback(module)`` once ``module_name`` is imported (now if it is)."""
-    with _lock:
-        module = sys.modules.get(module_name)
-        if module is None:
-            _hooks.setdefault(module_name, []).append(callback)
-            if _finder not in sys.meta_path:
-                sys.meta_path.insert(0, _finder)
-            return
-    callback(module)
-
-
-def pending_modules() -> tuple[str, ...]:
-    """Upstream modules with patches still waiting for their import."""
-    with _lock:
-        return tuple(sorted(_hooks))

@@ -13,16 +13,18 @@ specs (so every worker applies the same overrides the same way):
 - every pattern must match at least one layer (with pipeline parallelism a
   worker only sees its own stage, so the per-worker check is skipped there and
   the engine core checks the union of all workers' layers instead);
-- a layer matched by several patterns must get the same value from all of
-  them, otherwise the overrides conflict and nothing is guessed;
+- a layer matched by several patterns must get the same geometry from all of
+  them (``1`` and ``"replicated"`` agree, as do D and ``"sharded"``),
+  otherwise the overrides conflict and nothing is guessed;
 - K must divide D (``1 <= K <= D``, ``D % K == 0``);
 - recurrent state (Mamba) is never token-sharded: only ``"replicated"`` / 1 is
   accepted there, and it changes nothing;
-- a partial K (``1 < K < D``) needs plain full attention: MLA (workspaces sized
-  from D), sliding-window and other attention kinds reject it, as does
-  prefill context parallelism > 1;
-- K > 1 on attention that is not full attention is rejected (vLLM only shards
-  full attention under DCP);
+- K > 1 needs full attention (MLA included): sliding-window and other
+  attention kinds reject it (vLLM only shards full attention under DCP); a
+  partial K (``1 < K < D``) with prefill context parallelism > 1 is refused;
+- whether the layer's attention backend can run the K it gets is decided at
+  start-up, when its builder is made, by the one admission rule
+  (``vllm_dcp_geometry.attention_admission``), which names the backend;
 - at D = 1 overrides are validated and change nothing (every geometry is K = 1
   there, and DCP1 stays byte-identical to upstream).
 
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,10 +67,8 @@ class LayerKind(str, enum.Enum):
     """What an override may do to a layer, decided by its spec type."""
 
     FULL_ATTENTION = "full_attention"
-    """Plain full attention: any K dividing D."""
-
-    MLA = "mla"
-    """MLA full attention: sharded or replicated, never partial."""
+    """Full attention, MLA included: any K dividing D (the backend's
+    admission at start-up decides whether it can run that K)."""
 
     OTHER_ATTENTION = "other_attention"
     """Sliding window, chunked local, cross attention...: replicated only."""
@@ -131,9 +131,9 @@ def parse_overrides(additional_config: Any) -> tuple[LayerOverride, ...]:
     """
     if not isinstance(additional_config, Mapping):
         return ()
-    section = additional_config.get(CONFIG_KEY)
-    if section is None:
+    if CONFIG_KEY not in additional_config:
         return ()
+    section = additional_config[CONFIG_KEY]
     if not isinstance(section, Mapping):
         raise DcpGeometryError(
             f"additional_config[{CONFIG_KEY!r}] must be a mapping like "
@@ -167,15 +167,15 @@ def match_layers(
     layer_names: Iterable[str],
     *,
     require_every_pattern: bool = True,
-) -> dict[str, LayerOverride]:
-    """The override each layer gets (layers no pattern matches are absent).
+) -> dict[str, tuple[LayerOverride, ...]]:
+    """Every override matching each layer, in pattern order (layers no
+    pattern matches are absent); ``layer_geometry`` decides whether they agree.
 
-    A layer matched by patterns with different values is an error; so is a
-    pattern that matches no layer when ``require_every_pattern``.
+    A pattern that matches no layer is an error when ``require_every_pattern``.
     """
     overrides = tuple(overrides)
     names = sorted(layer_names)
-    chosen: dict[str, LayerOverride] = {}
+    matches: dict[str, tuple[LayerOverride, ...]] = {}
     for override in overrides:
         matched = [n for n in names if fnmatch.fnmatchcase(n, override.pattern)]
         if not matched and require_every_pattern:
@@ -185,15 +185,8 @@ def match_layers(
                 f"with a KV cache (layers: {shown or 'none'})"
             )
         for name in matched:
-            previous = chosen.get(name)
-            if previous is not None and previous.value != override.value:
-                raise DcpGeometryError(
-                    f"layer {name!r}: dcp_geometry overrides conflict: "
-                    f"{previous.describe()} and {override.describe()} both match; "
-                    "make the patterns disjoint or give them the same value"
-                )
-            chosen.setdefault(name, override)
-    return chosen
+            matches[name] = (*matches.get(name, ()), override)
+    return matches
 
 
 def override_shard_count(
@@ -255,12 +248,6 @@ def target_geometry(
             f"{owner}: only full attention can be token-sharded under DCP "
             f"(K={k}, D={dcp_world_size}); use 'replicated' for this layer"
         )
-    if partial and kind is LayerKind.MLA:
-        raise DcpGeometryError(
-            f"{owner}: MLA attention cannot be partially sharded (K={k}, "
-            f"D={dcp_world_size}): its DCP workspaces and combine are sized from "
-            "D; use 'sharded' or 'replicated'"
-        )
     if partial and pcp_world_size > 1:
         raise DcpGeometryError(
             f"{owner}: a partial shard count K={k} (D={dcp_world_size}) cannot be "
@@ -275,6 +262,41 @@ def target_geometry(
     return SpecGeometry(dcp_sharded=True, dcp_kv_shard_count=k)
 
 
+def layer_geometry(
+    layer_name: str,
+    overrides: Sequence[LayerOverride],
+    kind: LayerKind,
+    *,
+    dcp_world_size: int,
+    pcp_world_size: int = 1,
+) -> SpecGeometry | None:
+    """The DCP fields ``overrides`` (every pattern matching one layer) give it.
+
+    Each is checked by ``target_geometry``; patterns giving the layer the same
+    geometry agree whatever they write (``1`` and ``"replicated"``), patterns
+    giving different geometries conflict.
+    """
+    chosen: tuple[LayerOverride, SpecGeometry | None] | None = None
+    for override in overrides:
+        geometry = target_geometry(
+            layer_name,
+            override,
+            kind,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+        )
+        if chosen is None:
+            chosen = (override, geometry)
+        elif geometry != chosen[1]:
+            raise DcpGeometryError(
+                f"layer {layer_name!r}: dcp_geometry overrides conflict: "
+                f"{chosen[0].describe()} and {override.describe()} both match "
+                f"and give it different shard counts (D={dcp_world_size}); make "
+                "the patterns disjoint or give them the same value"
+            )
+    return None if chosen is None else chosen[1]
+
+
 # Application to vLLM specs (vLLM imported lazily) ----------------------------
 
 
@@ -284,13 +306,10 @@ def layer_kind(spec: Any) -> LayerKind:
         AttentionSpec,
         FullAttentionSpec,
         MambaSpec,
-        MLAAttentionSpec,
     )
 
     if isinstance(spec, MambaSpec):
         return LayerKind.RECURRENT
-    if isinstance(spec, MLAAttentionSpec):
-        return LayerKind.MLA
     if isinstance(spec, FullAttentionSpec):
         return LayerKind.FULL_ATTENTION
     if isinstance(spec, AttentionSpec):
@@ -323,14 +342,14 @@ def apply_to_kv_cache_specs(
     # A pipeline stage only holds its own layers; the engine core checks the
     # union of every worker's layers instead.
     stage_holds_all_layers = getattr(parallel, "pipeline_parallel_size", 1) == 1
-    chosen = match_layers(
+    matches = match_layers(
         overrides, kv_cache_spec, require_every_pattern=stage_holds_all_layers
     )
     result = dict(kv_cache_spec)
-    for name, override in chosen.items():
+    for name, matching in matches.items():
         spec = kv_cache_spec[name]
-        geometry = target_geometry(
-            name, override, layer_kind(spec), dcp_world_size=dcp, pcp_world_size=pcp
+        geometry = layer_geometry(
+            name, matching, layer_kind(spec), dcp_world_size=dcp, pcp_world_size=pcp
         )
         if geometry is None:
             continue
@@ -359,11 +378,11 @@ def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -
     for specs in worker_specs:
         for name, spec in specs.items():
             union.setdefault(name, []).append(spec)
-    chosen = match_layers(overrides, union)
-    for name, override in chosen.items():
+    matches = match_layers(overrides, union)
+    for name, matching in matches.items():
         for spec in union[name]:
-            geometry = target_geometry(
-                name, override, layer_kind(spec), dcp_world_size=dcp, pcp_world_size=pcp
+            geometry = layer_geometry(
+                name, matching, layer_kind(spec), dcp_world_size=dcp, pcp_world_size=pcp
             )
             if geometry is None:
                 continue
@@ -376,7 +395,7 @@ def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -
                     f"layer {name!r}: a worker reported dcp_sharded="
                     f"{actual.dcp_sharded}, dcp_kv_shard_count="
                     f"{actual.dcp_kv_shard_count}, but dcp_geometry override "
-                    f"{override.describe()} gives dcp_sharded="
+                    f"{matching[0].describe()} gives dcp_sharded="
                     f"{geometry.dcp_sharded}, dcp_kv_shard_count="
                     f"{geometry.dcp_kv_shard_count}: is the vllm-dcp-geometry "
                     "plugin loaded in every worker?"

@@ -4,6 +4,12 @@
 
 vLLM calls ``register()`` once in every process (API server, engine core,
 workers) before KV-cache specs are collected or block tables built.
+
+``register()`` applies all or nothing: every patched symbol of the vLLM
+modules already imported is verified before any patch is applied, and if
+applying fails, what was applied is undone and the hooks are removed. A patch
+whose module is imported later fails that import, and every later one
+(``_import_hooks``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 import threading
 from types import ModuleType
 
-from vllm_dcp_geometry import _patching
+from vllm_dcp_geometry import _import_hooks, _patching
 from vllm_dcp_geometry._version import installed_vllm_version, pinned_vllm_version
 from vllm_dcp_geometry.patches import PATCH_MODULES
 
@@ -60,9 +66,13 @@ def check_vllm_version() -> str:
     )
 
 
-def _apply_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> None:
+def _verify_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> None:
     for symbol in patch.PATCHED_SYMBOLS:
         _patching.verify_symbol(symbol, upstream)
+
+
+def _apply_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> None:
+    _verify_patch_module(patch, upstream)
     patch.apply(upstream)
     _applied[patch.__name__] = upstream.__name__  # type: ignore[attr-defined]
     logger.debug("vllm-dcp-geometry patched %s", upstream.__name__)
@@ -72,7 +82,8 @@ def register() -> None:
     """Install the DCP geometry contract into vLLM; idempotent per process.
 
     Each patch applies when its vLLM module is imported (at once if it already
-    is). Raises if vLLM is not the pinned release or a patched symbol moved.
+    is), all or nothing (see the module docstring). Raises if vLLM is not the
+    pinned release or a patched symbol moved.
     """
     global _installed
     with _lock:
@@ -84,20 +95,32 @@ def register() -> None:
             for name in PATCH_MODULES
         ]
         for patch in patches:
-            _patching.when_imported(
-                patch.UPSTREAM_MODULE, functools.partial(_apply_patch_module, patch)
-            )
+            upstream = _import_hooks.loaded_module(patch.UPSTREAM_MODULE)
+            if upstream is not None:
+                _verify_patch_module(patch, upstream)
+        _install_hooks(patches)
         _installed = True
+
+
+def _install_hooks(patches: list[_patching.PatchModule]) -> None:
+    applied_before = dict(_applied)
+    installed: list[tuple[str, _import_hooks.Callback]] = []
+    try:
+        with _patching.undo_on_error():
+            for patch in patches:
+                callback: _import_hooks.Callback = functools.partial(
+                    _apply_patch_module, patch
+                )
+                installed.append((patch.UPSTREAM_MODULE, callback))
+                _import_hooks.when_imported(patch.UPSTREAM_MODULE, callback)
+    except BaseException:
+        for name, callback in installed:
+            _import_hooks.forget(name, callback)
+        _applied.clear()
+        _applied.update(applied_before)
+        raise
 
 
 def applied_patches() -> dict[str, str]:
     """Patch modules applied so far in this process, with their vLLM module."""
     return dict(_applied)
-
-
-def apply_all_now() -> dict[str, str]:
-    """Register and import every patched vLLM module, applying every patch."""
-    register()
-    for name in PATCH_MODULES:
-        importlib.import_module(importlib.import_module(name).UPSTREAM_MODULE)
-    return applied_patches()

@@ -31,6 +31,7 @@ from vllm_dcp_geometry._patching import (
     UpstreamChangedError,
     UpstreamSymbol,
     add_attribute,
+    set_item,
     wrap,
 )
 from vllm_dcp_geometry.contract import (
@@ -223,6 +224,9 @@ def _make_is_uniform_type(original: Callable[..., bool]) -> Callable[..., bool]:
 
 def _make_attention_width(original: Callable[..., int]) -> Callable[..., int]:
     def max_num_blocks_per_req(self: Any, vllm_config: Any, max_len: int) -> int:
+        if explicit_shard_count(self) is None:
+            # K follows dcp_sharded: vLLM's own rule, nothing else read.
+            return original(self, vllm_config, max_len)
         dcp = vllm_config.parallel_config.decode_context_parallel_size
         k = get_kv_cache_dcp_shard_count(self, dcp)
         if k == default_shard_count(self, dcp):
@@ -234,6 +238,8 @@ def _make_attention_width(original: Callable[..., int]) -> Callable[..., int]:
 
 def _make_full_attention_memory(original: Callable[..., int]) -> Callable[..., int]:
     def max_memory_usage_bytes(self: Any, vllm_config: Any) -> int:
+        if explicit_shard_count(self) is None:
+            return original(self, vllm_config)
         dcp = vllm_config.parallel_config.decode_context_parallel_size
         k = get_kv_cache_dcp_shard_count(self, dcp)
         if k == default_shard_count(self, dcp):
@@ -271,7 +277,7 @@ def graft_shard_count_field(cls: type) -> None:
         )
     if SHARD_COUNT_FIELD_NAME in fields_map:
         return
-    fields_map[SHARD_COUNT_FIELD_NAME] = _SHARD_COUNT_FIELD
+    set_item(fields_map, SHARD_COUNT_FIELD_NAME, _SHARD_COUNT_FIELD)
     for name, make in (
         ("__init__", _make_init),
         ("__eq__", _make_eq),
@@ -320,12 +326,4 @@ def apply(module: ModuleType) -> None:
         module.FullAttentionSpec, "max_memory_usage_bytes", _make_full_attention_memory
     )
 
-    if getattr(module, "get_kv_cache_dcp_shard_count", None) not in (
-        None,
-        get_kv_cache_dcp_shard_count,
-    ):
-        raise UpstreamChangedError(
-            f"{UPSTREAM_MODULE} now defines get_kv_cache_dcp_shard_count itself; "
-            "review vllm-dcp-geometry against this vLLM before running"
-        )
-    module.get_kv_cache_dcp_shard_count = get_kv_cache_dcp_shard_count  # type: ignore[attr-defined]
+    add_attribute(module, "get_kv_cache_dcp_shard_count", get_kv_cache_dcp_shard_count)

@@ -8,9 +8,11 @@ What: replaces ``resolve_dcp_kv_block_size`` (``B * K`` instead of
 multi-group path of ``resolve_kv_cache_block_sizes`` call the module's
 ``resolve_dcp_kv_block_size`` and so follow it unchanged. The single-group
 path, which reads ``D`` from the config and the group's boolean flag, runs the
-original against a view of the config whose DCP size is the group's K. At
-start-up every group's K is resolved (an invalid K fails here) and a partial
-K with prefill context parallelism is rejected. Modules that imported these
+original against a view of the config whose DCP size is the group's K. Where
+every group's K follows its spec's flag (``hand_back``) the wrapper calls the
+original before reading anything. Otherwise every group's K is resolved (an
+invalid K fails here) and a partial K with prefill context parallelism is
+rejected. Modules that imported these
 functions by name before the patch (``vllm.v1.engine.core``, KV connectors:
 offloading, simple_kv_offload, umbp, mooncake store, decode_bench) are
 rebound; modules imported later get the patched functions from this module.
@@ -37,6 +39,7 @@ from vllm_dcp_geometry.geometry import (
     group_shard_counts,
     make_virtual_block_size_resolver,
 )
+from vllm_dcp_geometry.hand_back import groups_follow_vllm_default
 
 UPSTREAM_MODULE = "vllm.v1.core.kv_cache_utils"
 RUNS_IN = "engine_core"
@@ -91,9 +94,11 @@ def _make_resolve_kv_cache_block_sizes(
     def resolve_kv_cache_block_sizes(
         kv_cache_config: Any, vllm_config: Any
     ) -> tuple[int, int]:
+        groups = kv_cache_config.kv_cache_groups
+        if groups_follow_vllm_default(groups):
+            return original(kv_cache_config, vllm_config)
         parallel = vllm_config.parallel_config
         dcp = parallel.decode_context_parallel_size
-        groups = kv_cache_config.kv_cache_groups
         counts = group_shard_counts(
             groups, dcp, pcp_world_size=parallel.prefill_context_parallel_size
         )

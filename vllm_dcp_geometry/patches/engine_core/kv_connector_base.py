@@ -40,6 +40,7 @@ from vllm_dcp_geometry.geometry import (
     get_kv_cache_dcp_shard_count,
     group_name,
 )
+from vllm_dcp_geometry.hand_back import groups_follow_vllm_default
 
 UPSTREAM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 RUNS_IN = "engine_core"
@@ -83,7 +84,9 @@ def check_connector(
     connector_cls: type, vllm_config: Any, kv_cache_config: Any
 ) -> None:
     """Refuse a connector that cannot follow the groups' shard counts."""
-    if kv_cache_config is None:
+    if kv_cache_config is None or groups_follow_vllm_default(
+        kv_cache_config.kv_cache_groups
+    ):
         return
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     if dcp == 1:

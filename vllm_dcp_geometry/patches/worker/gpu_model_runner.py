@@ -7,8 +7,12 @@ builds the block-table layout of the KV-cache groups (shard count K, width
 with the spec's token alignment, slot mode from ``uses_slot_mapping``; the
 encoder-only groups upstream skips are skipped, so table index and group index
 may differ) and hands it to the ``MultiGroupBlockTable`` the runner builds
-through the ``group_context.pending_block_table_layout`` side channel. At
-D = 1 it calls the original.
+through the ``group_context.pending_block_table_layout`` side channel.
+Upstream gives every token-slot table the global D, which is right only for
+a sharded group at its default K: where every table is one of those or
+recurrent state (whose table maps no slots), decided from the specs alone
+(``hand_back``), and at D = 1, it calls the original before reading anything
+else. A replicated token-slot group at D > 1 is not such a case.
 It also wraps ``GPUModelRunner.get_kv_cache_spec``: the specs this worker
 collects get the operator's ``--additional-config`` DCP geometry overrides
 (``vllm_dcp_geometry.overrides``), identically on every worker.
@@ -33,6 +37,7 @@ from vllm_dcp_geometry.group_context import (
     TAKEN_LAYOUT_ATTR,
     pending_block_table_layout,
 )
+from vllm_dcp_geometry.hand_back import follows_vllm_default
 from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -78,11 +83,33 @@ def check_input_batch_layout(block_table: Any, layout: BlockTableLayout) -> None
         )
 
 
+def upstream_tables_fit(kv_cache_config: Any) -> bool:
+    """Whether upstream's tables are right at every D, from the specs alone:
+    each non-encoder group is recurrent state (no slot mapping) or sharded
+    attention whose K follows its flag (K = D, the D upstream gives it)."""
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        kind = get_kv_cache_spec_kind(spec)
+        if kind == KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
+            continue
+        if not follows_vllm_default(spec):
+            return False
+        if kind != KVCacheSpecKind.MAMBA and not spec.dcp_sharded:
+            return False
+    return True
+
+
 def _make_may_reinitialize_input_batch(
     original: Callable[[Any, Any], None],
 ) -> Callable[[Any, Any], None]:
     def may_reinitialize_input_batch(self: Any, kv_cache_config: Any) -> None:
-        dcp = self.parallel_config.decode_context_parallel_size
+        if upstream_tables_fit(kv_cache_config):
+            original(self, kv_cache_config)
+            return
+        # Read through the config upstream passes to the specs' widths.
+        dcp = self.vllm_config.parallel_config.decode_context_parallel_size
         if dcp == 1:
             original(self, kv_cache_config)
             return

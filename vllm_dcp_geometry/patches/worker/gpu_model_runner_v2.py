@@ -6,7 +6,9 @@ What: wraps ``GPUModelRunner.initialize_kv_cache`` so the ``BlockTables`` it
 builds receive every group's shard count K (``get_kv_cache_dcp_shard_count``)
 through the ``group_context.pending_dcp_shard_counts`` side channel. Widths
 already come from ``spec.max_num_blocks_per_req`` and the spec's alignment
-upstream. At D = 1 it calls the original.
+upstream. Upstream's per-group ``dcp_sharded`` bool is right wherever K follows
+the spec's flag, so there (``hand_back``) and at D = 1 it calls the original,
+before reading anything.
 
 Draft groups: upstream ``get_kv_cache_spec`` already marks the draft layers of
 every ``DraftModelSpeculator`` whose ``dcp_size`` is 1 under a DCP target as
@@ -36,6 +38,7 @@ from vllm_dcp_geometry.group_context import (
     TAKEN_SHARD_COUNTS_ATTR,
     pending_dcp_shard_counts,
 )
+from vllm_dcp_geometry.hand_back import groups_follow_vllm_default
 from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -62,7 +65,10 @@ def _make_initialize_kv_cache(original: Callable[..., None]) -> Callable[..., No
     def initialize_kv_cache(
         self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any
     ) -> None:
-        if self.dcp_size == 1:
+        if (
+            groups_follow_vllm_default(kv_cache_config.kv_cache_groups)
+            or self.dcp_size == 1
+        ):
             original(self, kv_cache_config, *args, **kwargs)
             return
         parallel = self.vllm_config.parallel_config
