@@ -39,28 +39,32 @@ def _mla_spec(shard_count: int | None):
 
 
 @pytest.mark.usefixtures("cpu_platform")
-def test_mla_builder_rejects_partial_shard_count(
+def test_untaught_mla_builder_refuses_every_k_but_d(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """``MLACommonMetadataBuilder`` itself (CPU_MLA's builder) was not taught a
+    group's K: a replicated or partial MLA group is refused, naming the layer,
+    the builder, K and D; K = D reaches the upstream constructor."""
     from vllm.model_executor.layers.attention.mla_attention import (
         MLACommonMetadataBuilder,
     )
-    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder
 
     vllm_config = tiny_model_config(4, 1)
     set_dcp_group(monkeypatch, 4, 3)
-    for builder_cls in (MLACommonMetadataBuilder, TritonMLAMetadataBuilder):
+    for shard_count in (2, 1):
         with pytest.raises(DcpGeometryError) as excinfo:
-            builder_cls(_mla_spec(2), [LAYER], vllm_config, torch.device("cpu"))
-        message = str(excinfo.value)
-        assert LAYER in message and "K=2" in message and "D=4" in message
-        assert "MLA" in message
-    # Sharded (K = D) and replicated MLA reach the upstream constructor, which
-    # on this CPU test then misses the MLA layer in the forward context.
-    for shard_count in (None, 4, 1):
-        with pytest.raises(KeyError, match=LAYER):
             MLACommonMetadataBuilder(
                 _mla_spec(shard_count), [LAYER], vllm_config, torch.device("cpu")
+            )
+        message = str(excinfo.value)
+        assert LAYER in message and f"K={shard_count}" in message
+        assert "D=4" in message and "MLACommonMetadataBuilder" in message
+    # Sharded MLA reaches the upstream constructor, which on this CPU test
+    # then misses the MLA layer in the forward context.
+    for sharded in (None, 4):
+        with pytest.raises(KeyError, match=LAYER):
+            MLACommonMetadataBuilder(
+                _mla_spec(sharded), [LAYER], vllm_config, torch.device("cpu")
             )
 
 
@@ -72,14 +76,16 @@ def test_partial_group_needs_a_backend_that_honours_it(
         FlashAttentionBackend,
         FlashAttentionMetadataBuilder,
     )
-    from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+    from vllm.v1.attention.backends.mla.flashmla_sparse import (
+        FlashMLASparseBackend,
+    )
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.worker.utils import AttentionGroup
 
     vllm_config = tiny_model_config(8, 1)
     set_dcp_group(monkeypatch, 8, 6)
     for backend, spec in (
-        (TritonMLABackend, _mla_spec(2)),
+        (FlashMLASparseBackend, _mla_spec(2)),
         (TritonAttentionBackend, full_attention_spec(16, 4)),
     ):
         group = AttentionGroup(backend, [LAYER], spec, 2)

@@ -121,7 +121,7 @@ def test_flashinfer_local_lengths_follow_the_group(dcp: int) -> None:
     its trtllm decode reads ``dcp_local_seq_lens``: both must be the group's."""
     import vllm.v1.attention.backends.flashinfer as flashinfer
 
-    from vllm_dcp_geometry.patches.worker.flashinfer import (
+    from vllm_dcp_geometry.attention_geometry import (
         LOCAL_SEQ_LENS_BUFFER_ATTR,
         with_group_local_seq_lens,
     )

@@ -19,13 +19,16 @@ def make_vllm_config(
     pcp: int = 1,
     pp: int = 1,
     tp: int | None = None,
-    max_model_len: int = 1_000_000,
+    max_model_len: int | None = None,
     mamba_cache_mode: str = "align",
     cache_block_size: int | None = None,
     enable_prefix_caching: bool = False,
     additional_config: dict[str, Any] | None = None,
     real: bool = False,
     model_dir: Path | None = None,
+    dtype: str = "float32",
+    max_num_seqs: int | None = None,
+    dcp_comm_backend: str | None = None,
 ) -> Any:
     """vLLM's real ``ParallelConfig`` and ``CacheConfig`` for DCP ``dcp``.
 
@@ -33,17 +36,23 @@ def make_vllm_config(
     spec, scheduler and block-table code reads (a real ``VllmConfig`` needs a
     device and, for ``model_config``, a model). ``real=True`` builds a real
     ``VllmConfig`` on the CPU device; ``model_dir`` (a Hugging Face config
-    directory, no weights) adds a real ``ModelConfig`` and implies ``real``.
-    A real config needs the platform's device type set (``cpu_platform``).
+    directory, no weights) adds a real ``ModelConfig`` (``dtype``,
+    ``max_model_len``, default 4096) and implies ``real``; ``max_num_seqs``
+    adds a ``SchedulerConfig`` sized for that many max-length requests.
+    ``max_model_len`` defaults to 1,000,000 in the carrier.
     """
     from vllm.config import CacheConfig, ParallelConfig
 
+    parallel_fields: dict[str, Any] = {}
+    if dcp_comm_backend is not None:
+        parallel_fields["dcp_comm_backend"] = dcp_comm_backend
     parallel = ParallelConfig(
         tensor_parallel_size=tp if tp is not None else max(dcp // pcp, 1),
         decode_context_parallel_size=dcp,
         prefill_context_parallel_size=pcp,
         pipeline_parallel_size=pp,
         cp_kv_cache_interleave_size=interleave,
+        **parallel_fields,
     )
     cache_fields: dict[str, Any] = {
         "mamba_cache_mode": mamba_cache_mode,
@@ -53,11 +62,18 @@ def make_vllm_config(
         cache_fields["block_size"] = cache_block_size
     cache = CacheConfig(**cache_fields)
     if real or model_dir is not None:
-        return _real_config(parallel, cache, additional_config, model_dir)
+        fields: dict[str, Any] = {
+            "parallel_config": parallel,
+            "cache_config": cache,
+            "additional_config": dict(additional_config or {}),
+        }
+        return _real_config(
+            fields, model_dir, max_model_len or 4096, dtype, max_num_seqs
+        )
     return SimpleNamespace(
         parallel_config=parallel,
         cache_config=cache,
-        model_config=SimpleNamespace(max_model_len=max_model_len),
+        model_config=SimpleNamespace(max_model_len=max_model_len or 1_000_000),
         scheduler_config=SimpleNamespace(max_num_encoder_input_tokens=1500),
         max_in_flight_tokens=8192,
         kv_transfer_config=None,
@@ -67,24 +83,27 @@ def make_vllm_config(
 
 
 def _real_config(
-    parallel: Any,
-    cache: Any,
-    additional_config: dict[str, Any] | None,
+    fields: dict[str, Any],
     model_dir: Path | None,
+    max_model_len: int,
+    dtype: str,
+    max_num_seqs: int | None,
 ) -> Any:
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.config import DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    fields: dict[str, Any] = {
-        "parallel_config": parallel,
-        "cache_config": cache,
-        "device_config": DeviceConfig(device="cpu"),
-        "additional_config": dict(additional_config or {}),
-    }
+    fields["device_config"] = DeviceConfig(device="cpu")
     if model_dir is not None:
         fields["model_config"] = ModelConfig(
             model=str(model_dir),
             skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=4096,
+            dtype=dtype,
+            max_model_len=max_model_len,
+        )
+    if max_num_seqs is not None:
+        fields["scheduler_config"] = SchedulerConfig(
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_model_len * max_num_seqs,
         )
     return VllmConfig(**fields)

@@ -6,9 +6,12 @@ A metadata builder is built per KV-cache group from the group's spec, so it is
 the one place on the worker that knows the group's shard count K. This module
 holds what the attention patches share: resolving the group's geometry
 (``contract.GroupGeometry``) from its spec and the DCP process group, binding
-the group's attention impls to it, and the exact partial-group LSE combine
-(duplicate replicas masked to -inf). The side channel that lets upstream
-builder code see the group's geometry is ``group_context.use_group_geometry``.
+the group's attention impls to it, the exact partial-group LSE combine
+(duplicate replicas masked to -inf), a partial group's local lengths, and the
+vLLM-facing half of the admission rule (``attention_admission``: a group's
+kind, its backend's label, its MLA query replication). The side channel that
+lets upstream builder code see the group's geometry is
+``group_context.use_group_geometry``.
 
 No vLLM import at module level; the few functions that need vLLM (resolving a
 group from its spec, finding a group's layers) import it when called.
@@ -16,9 +19,17 @@ group from its spec, finding a group's layers) import it when called.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm_dcp_geometry.attention_admission import (
+    TAUGHT_BACKENDS,
+    AttentionAdmission,
+    AttentionKind,
+    admit_attention,
+    taught_backend_name,
+)
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     GroupGeometry,
@@ -37,25 +48,30 @@ if TYPE_CHECKING:
 BOUND_GEOMETRY_ATTR = "_vllm_dcp_geometry_group"
 """Set on every builder and attention impl bound to a group's geometry."""
 
+LOCAL_SEQ_LENS_BUFFER_ATTR = "_vllm_dcp_geometry_local_seq_lens"
+"""A partial group's builder: persistent buffer of the group's local lengths."""
+
 
 def resolve_group_geometry(
-    kv_cache_spec: Any, layer_names: Sequence[str], vllm_config: Any
+    kv_cache_spec: Any,
+    layer_names: Sequence[str],
+    vllm_config: Any,
+    index: int | None = None,
 ) -> GroupGeometry | None:
     """The group's geometry on this rank, or None when DCP is off (D == 1).
 
-    D and r come from vLLM's DCP process group (as every upstream builder and
-    impl takes them); K from the spec through the contract. A partial K with
-    prefill context parallelism is refused (the contract's PCP rule).
+    D and r come from vLLM's DCP process group, as upstream builders and impls
+    take them (so at D == 1 nothing else is read); K from the spec through the
+    contract. A partial K with prefill context parallelism is refused (the
+    contract's PCP rule).
     """
     from vllm.distributed import parallel_state
 
-    parallel_config = vllm_config.parallel_config
-    if parallel_config.decode_context_parallel_size == 1:
-        return None
     dcp_world_size, dcp_rank = parallel_state.get_dcp_world_size_and_rank(True)
     if dcp_world_size == 1:
         return None
-    owner = group_name(layer_names)
+    parallel_config = vllm_config.parallel_config
+    owner = group_name(layer_names, index)
     shard_count = get_kv_cache_dcp_shard_count(
         kv_cache_spec, dcp_world_size, owner=owner
     )
@@ -155,8 +171,9 @@ def mask_duplicate_replica_lse(lse: torch.Tensor, replica: int) -> torch.Tensor:
 
 
 class ReplicaMaskedCombine:
-    """Wraps a DCP combine (``cp_lse_ag_out_rs`` / ``dcp_a2a_lse_reduce``, the
-    signature ``(out, lse, group, ...)``) so duplicate replicas weigh 0."""
+    """Wraps a DCP combine whose first two arguments are the partial output
+    and its LSE (``cp_lse_ag_out_rs`` / ``dcp_a2a_lse_reduce`` as impls hold
+    them, ``MLADCPManager.combine``) so duplicate replicas weigh 0."""
 
     def __init__(self, combine: Callable[..., Any], replica: int) -> None:
         if isinstance(combine, ReplicaMaskedCombine):
@@ -165,10 +182,10 @@ class ReplicaMaskedCombine:
         self.replica = replica
 
     def __call__(
-        self, cp_attn_out: Any, cp_attn_lse: Any, cp_group: Any, *args: Any, **kw: Any
+        self, cp_attn_out: Any, cp_attn_lse: Any, *args: Any, **kw: Any
     ) -> Any:
         lse = mask_duplicate_replica_lse(cp_attn_lse, self.replica)
-        return self.combine(cp_attn_out, lse, cp_group, *args, **kw)
+        return self.combine(cp_attn_out, lse, *args, **kw)
 
     def __repr__(self) -> str:
         return f"ReplicaMaskedCombine({self.combine!r}, replica={self.replica})"
@@ -186,29 +203,92 @@ def mask_combine(combine: Callable[..., Any], replica: int) -> Callable[..., Any
     return ReplicaMaskedCombine(combine, replica)
 
 
-# Backends that honour a partial K --------------------------------------------
-
-_partial_shard_builders: set[type] = set()
+# Admission -------------------------------------------------------------------
 
 
-def partial_shard_refusal(
-    geometry: GroupGeometry, what: str, remedy: str
-) -> DcpGeometryError:
-    """The start-up error of a backend that cannot honour a group's partial K."""
-    return DcpGeometryError(
-        f"{geometry.owner}: {what} cannot honour a partial DCP shard count "
-        f"K={geometry.shard_count} with D={geometry.dcp_world_size}. {remedy}"
+def attention_kind(kv_cache_spec: Any, backend: Any = None) -> AttentionKind:
+    """The admission kind of a group from its spec (and backend class)."""
+    from vllm.v1.kv_cache_interface import (
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    spec = kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = next(iter(spec.kv_cache_specs.values()))
+    if isinstance(spec, MambaSpec):
+        return AttentionKind.NONE
+    if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)) or (
+        backend is not None and backend.is_mla()
+    ):
+        return AttentionKind.MLA
+    return AttentionKind.ATTENTION
+
+
+def backend_label(backend_name: str, builder_cls: type) -> str:
+    """The backend's name where its builder is the exact class the plugin
+    taught (or the backend is not taught at all), else the name with the
+    builder: a subclass or a re-registered backend is not taught."""
+    path = f"{builder_cls.__module__}.{builder_cls.__qualname__}"
+    taught = TAUGHT_BACKENDS.get(backend_name)
+    if taught is None or taught.builder == path:
+        return backend_name
+    return f"{backend_name} ({path})"
+
+
+def layers_replicate_queries(vllm_config: Any, layer_names: Sequence[str]) -> bool:
+    """Whether any layer of the group runs MLA's DCP query replication."""
+    context = vllm_config.compilation_config.static_forward_context
+    return any(
+        getattr(context.get(name), "dcp_q_replicate", False) for name in layer_names
     )
 
 
-def register_partial_shard_builder(builder_cls: type) -> None:
-    """Declare that this exact builder class (not its subclasses) honours a
-    partial shard count; every other builder rejects one at start-up."""
-    _partial_shard_builders.add(builder_cls)
+def admit_group(
+    geometry: GroupGeometry,
+    *,
+    kind: AttentionKind,
+    backend: str,
+    vllm_config: Any,
+    layer_names: Sequence[str],
+) -> AttentionAdmission:
+    """``attention_admission.admit_attention`` for a group on this worker."""
+    parallel_config = vllm_config.parallel_config
+    default = geometry.default_shard_count
+    return admit_attention(
+        owner=geometry.owner,
+        kind=kind,
+        backend=backend,
+        shard_count=geometry.shard_count,
+        dcp_world_size=geometry.dcp_world_size,
+        default_shard_count=geometry.dcp_world_size if default is None else default,
+        pcp_world_size=parallel_config.prefill_context_parallel_size,
+        interleave_size=geometry.interleave_size,
+        dcp_q_replicate=layers_replicate_queries(vllm_config, layer_names),
+    )
 
 
-def builder_supports_partial_shards(builder_cls: type) -> bool:
-    return builder_cls in _partial_shard_builders
+def admit_builder(
+    builder: Any,
+    geometry: GroupGeometry,
+    kv_cache_spec: Any,
+    vllm_config: Any,
+    layer_names: Sequence[str],
+) -> AttentionAdmission:
+    """Admission of a group whose builder is being constructed (builders are
+    also made outside ``AttentionGroup``); raises when refused. A builder
+    class the plugin did not teach is named by its class."""
+    builder_cls = type(builder)
+    path = f"{builder_cls.__module__}.{builder_cls.__qualname__}"
+    return admit_group(
+        geometry,
+        kind=attention_kind(kv_cache_spec),
+        backend=taught_backend_name(path) or path,
+        vllm_config=vllm_config,
+        layer_names=layer_names,
+    ).check()
 
 
 def bind_impl_to_group(impl: Any, geometry: GroupGeometry, layer_name: str) -> None:
@@ -255,4 +335,48 @@ def group_local_seq_lens(
     shard_count, shard = geometry.shard_world
     return get_dcp_local_seq_lens(
         seq_lens, shard_count, shard, geometry.interleave_size
+    )
+
+
+def attach_local_seq_lens_buffer(builder: Any, vllm_config: Any, device: Any) -> None:
+    """Give a partial group's builder a persistent buffer for its local
+    lengths, so FULL CUDA graphs replay the current values."""
+    import torch
+
+    setattr(
+        builder,
+        LOCAL_SEQ_LENS_BUFFER_ATTR,
+        torch.zeros(
+            vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device
+        ),
+    )
+
+
+def with_group_local_seq_lens(
+    builder: Any, common_attn_metadata: Any, geometry: GroupGeometry
+) -> Any:
+    """A copy of the common metadata whose DCP local lengths are the group's,
+    held in the builder's persistent buffer (rows past the batch read 0).
+
+    The runners compute one ``dcp_local_seq_lens`` per step with vLLM's
+    global (D, r) for every group; a partial group's builder reads this copy.
+    """
+    buffer = getattr(builder, LOCAL_SEQ_LENS_BUFFER_ATTR)
+    seq_lens = common_attn_metadata.seq_lens
+    num_rows = seq_lens.shape[0]
+    buffer[:num_rows].copy_(group_local_seq_lens(seq_lens, geometry))
+    buffer[num_rows:].zero_()
+    # Only PCP fills this bound, and PCP never runs a partial group; derive it
+    # anyway where given (the local length is monotonic in the length).
+    upper_bound = None
+    seq_upper_bound = common_attn_metadata.seq_lens_cpu_upper_bound
+    if (
+        common_attn_metadata.dcp_local_seq_lens_cpu_upper_bound is not None
+        and seq_upper_bound is not None
+    ):
+        upper_bound = group_local_seq_lens(seq_upper_bound, geometry)
+    return dataclasses.replace(
+        common_attn_metadata,
+        dcp_local_seq_lens=buffer[:num_rows],
+        dcp_local_seq_lens_cpu_upper_bound=upper_bound,
     )

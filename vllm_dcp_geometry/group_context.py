@@ -13,11 +13,14 @@ inner wrappers hand straight back to upstream. There are exactly three:
 ``use_group_geometry`` / ``current_group_geometry``
     Set by the attention metadata builder patches while a group's upstream
     builder code runs (``FlashAttentionMetadataBuilder.__init__``,
-    ``FlashInferMetadataBuilder.__init__`` and ``.build``, and the MLA
-    builders). Read by the patched module-level helpers those builders call:
-    ``get_dcp_world_size_and_rank`` then answers the group's shard world
-    ``(K, r % K)`` instead of vLLM's ``(D, r)``, and FlashInfer's
-    ``get_dcp_local_seq_lens`` the group's local lengths. Why: upstream builders
+    ``FlashInferMetadataBuilder.__init__`` and ``.build``, and
+    ``MLACommonMetadataBuilder.__init__`` and ``.build``). Read by the patched
+    module-level helpers those builders call: ``get_dcp_world_size_and_rank``
+    then answers the group's shard world ``(K, r % K)`` instead of vLLM's
+    ``(D, r)``, FlashInfer's ``get_dcp_local_seq_lens`` the group's local
+    lengths, the MLA module's ``get_dcp_group`` a world of 1 for a local
+    (K = 1) group, and its ``build_mla_chunked_context_metadata`` plans a
+    partial group's prefill context over K shards. Why: upstream builders
     take the DCP world from the process group, never from the spec they are
     built for.
 
@@ -55,7 +58,9 @@ CHANNELS: tuple[tuple[str, str, str], ...] = (
         "attention metadata builders (FlashAttention, FlashInfer, MLA) while "
         "a group's upstream builder code runs",
         "the backends' `get_dcp_world_size_and_rank` (and FlashInfer's "
-        "`get_dcp_local_seq_lens`) answer the group's `(K, r % K)`",
+        "`get_dcp_local_seq_lens`) answer the group's `(K, r % K)`; MLA's "
+        "`get_dcp_group` a world of 1 (K = 1) and its "
+        "`build_mla_chunked_context_metadata` plans over K shards",
     ),
     (
         "pending_block_table_layout",

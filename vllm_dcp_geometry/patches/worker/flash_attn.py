@@ -15,7 +15,9 @@ builder's world size that means "query heads gathered over the DCP group"
 (the FA3 scheduler-metadata head count ``num_heads_q * dcp_world_size``) must
 stay D, so a partial builder scales ``num_heads_q`` by D/K.
 
-The constructor also binds the group's attention impls (created with the
+Where K < D the constructor first admits the group
+(``attention_admission.admit_attention``; a refusal names group, backend, K
+and D). It also binds the group's attention impls (created with the
 model, before any spec existed): K = 1 runs plain local attention (no query
 all-gather, no LSE combine); 1 < K < D keeps the D-rank all-gather and combine
 but masks duplicate replicas (``q = r // K != 0``) to LSE = -inf, so each shard
@@ -45,8 +47,8 @@ from typing import Any
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
+    admit_builder,
     bind_group_impls,
-    register_partial_shard_builder,
     resolve_group_geometry,
 )
 from vllm_dcp_geometry.group_context import (
@@ -111,6 +113,8 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         device: Any,
     ) -> None:
         geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
+        if geometry is not None and geometry.shard_count != geometry.dcp_world_size:
+            admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
         if geometry is None or geometry.matches_default:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
             if geometry is None:
@@ -130,4 +134,3 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
 def apply(module: ModuleType) -> None:
     wrap(module, "get_dcp_world_size_and_rank", _make_dcp_world_size_and_rank)
     wrap(module.FlashAttentionMetadataBuilder, "__init__", _make_builder_init)
-    register_partial_shard_builder(module.FlashAttentionMetadataBuilder)

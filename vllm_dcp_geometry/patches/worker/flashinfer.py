@@ -19,7 +19,9 @@ being built (outside our builder calls they are upstream's).
   buffer so FULL CUDA graphs replay the current values. The prefill wrapper's
   own DCP combine is replica-masked like the impl's.
 
-The constructor binds the group's impls (``attention_geometry``): K = 1 runs
+Where K < D the constructor first admits the group
+(``attention_admission.admit_attention``). It binds the group's impls
+(``attention_geometry``): K = 1 runs
 plain local attention; 1 < K < D masks duplicate replicas to LSE = -inf
 before the D-rank combine, so the combined LSE is exact.
 
@@ -37,7 +39,6 @@ Remove when: upstream FlashInfer takes a per-group DCP shard count.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -45,11 +46,13 @@ from typing import Any
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
+    admit_builder,
+    attach_local_seq_lens_buffer,
     bind_group_impls,
     group_local_seq_lens,
     mask_combine,
-    register_partial_shard_builder,
     resolve_group_geometry,
+    with_group_local_seq_lens,
 )
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.group_context import (
@@ -66,8 +69,6 @@ WHY = (
 )
 REMOVE_WHEN = "upstream FlashInfer takes a per-group DCP shard count"
 RELATED = "none upstream: FlashInfer takes DCP from the boolean dcp_sharded"
-
-LOCAL_SEQ_LENS_BUFFER_ATTR = "_vllm_dcp_geometry_local_seq_lens"
 
 _M = UPSTREAM_MODULE
 PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
@@ -159,6 +160,8 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         if geometry is None:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
             return
+        if geometry.shard_count != geometry.dcp_world_size:
+            admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
         if geometry.is_replicated and not geometry.matches_default:
             with use_group_geometry(geometry):
                 original(self, kv_cache_spec, layer_names, vllm_config, device)
@@ -166,46 +169,10 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
         setattr(self, BOUND_GEOMETRY_ATTR, geometry)
         if geometry.is_partial:
-            import torch
-
-            setattr(
-                self,
-                LOCAL_SEQ_LENS_BUFFER_ATTR,
-                torch.zeros(
-                    vllm_config.scheduler_config.max_num_seqs,
-                    dtype=torch.int32,
-                    device=device,
-                ),
-            )
+            attach_local_seq_lens_buffer(self, vllm_config, device)
         bind_group_impls(vllm_config, layer_names, geometry)
 
     return __init__
-
-
-def with_group_local_seq_lens(
-    builder: Any, common_attn_metadata: Any, geometry: GroupGeometry
-) -> Any:
-    """A copy of the common metadata whose DCP local lengths are the group's,
-    held in the builder's persistent buffer (rows past the batch read 0)."""
-    buffer = getattr(builder, LOCAL_SEQ_LENS_BUFFER_ATTR)
-    seq_lens = common_attn_metadata.seq_lens
-    num_rows = seq_lens.shape[0]
-    buffer[:num_rows].copy_(group_local_seq_lens(seq_lens, geometry))
-    buffer[num_rows:].zero_()
-    # Only PCP fills this bound, and PCP never runs a partial group; derive it
-    # anyway where given (the local length is monotonic in the length).
-    upper_bound = None
-    seq_upper_bound = common_attn_metadata.seq_lens_cpu_upper_bound
-    if (
-        common_attn_metadata.dcp_local_seq_lens_cpu_upper_bound is not None
-        and seq_upper_bound is not None
-    ):
-        upper_bound = group_local_seq_lens(seq_upper_bound, geometry)
-    return dataclasses.replace(
-        common_attn_metadata,
-        dcp_local_seq_lens=buffer[:num_rows],
-        dcp_local_seq_lens_cpu_upper_bound=upper_bound,
-    )
 
 
 def _make_build(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -243,4 +210,3 @@ def apply(module: ModuleType) -> None:
     wrap(builder, "__init__", _make_builder_init)
     wrap(builder, "build", _make_build)
     wrap(builder, "_get_prefill_wrapper", _make_get_prefill_wrapper)
-    register_partial_shard_builder(builder)

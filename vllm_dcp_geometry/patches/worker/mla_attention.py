@@ -1,22 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Patch ``vllm.model_executor.layers.attention.mla_attention``: MLA refuses a
-partial DCP shard count at start-up.
+"""Patch ``vllm.model_executor.layers.attention.mla_attention``: MLA reads
+each group's cache with the group's shard count K.
 
-What: wraps ``MLACommonMetadataBuilder.__init__`` (the constructor of every
-dense MLA builder). A group whose K satisfies 1 < K < D raises
-``DcpGeometryError`` naming the group's layers, K and D before anything is
-allocated. K = D (sharded) and K = 1 (replicated) run the upstream
-constructor unchanged.
+What: wraps ``MLACommonMetadataBuilder.__init__`` and ``.build`` (every dense
+MLA builder) and, as this module sees them, ``get_dcp_group`` and
+``build_mla_chunked_context_metadata``. The constructor admits the group
+(``attention_admission``; a refusal names group, backend, K and D) and binds
+the group's MLA layers (``mla_geometry``):
 
-Why: MLA builders and impls take the global D everywhere: the chunked-prefill
-workspace and its all-gather share are sized from D in ``__init__``, the
-context chunks split rows over D ranks, and the local lengths and LSE combine
-assume D shards. A K-sharded MLA cache would be read with a D-shard geometry,
-which is silently wrong. (Sparse MLA and other builders are covered by the
-generic start-up check in ``patches.worker.utils``.)
+- K = 1 (``local``): the upstream constructor runs with ``get_dcp_group``
+  answering the group's world (1, 0), so the builder is vLLM's DCP1 builder
+  (workspace N, no KV gather, full decode lengths, the DCP1 prefill-context
+  path, backend workspaces sized for the rank's own heads); the impls run
+  plain local attention.
+- 1 < K < D (``dcp-partial``): the upstream constructor keeps D (the query
+  all-gather, combine and context KV gather span the DCP group). ``build``
+  runs with the group's local decode lengths (persistent per-builder
+  buffer), its decode bound ``ceil(L / (K*I)) * I``, and context chunks
+  planned over K shards; the layer's combine masks duplicate replicas; the
+  decode kernels get ``(K, r % K)`` as their cp world.
 
-Remove when: MLA takes a per-group DCP shard count, or upstream rejects it.
+Why: vLLM 0.33.0's MLA takes D from the DCP group whatever the spec says, so
+a replicated or partial MLA cache is read as if sharded over D: wrong
+lengths, a wrong combine and a wrong context gather, silently.
+
+Hand-back: D == 1 or K == D runs every wrapped function upstream's way
+(``get_dcp_group`` and the planner check one context variable).
+
+Remove when: vLLM's MLA takes a per-group DCP shard count.
 """
 
 from __future__ import annotations
@@ -26,18 +38,35 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.attention_admission import AttentionMode
 from vllm_dcp_geometry.attention_geometry import (
-    partial_shard_refusal,
+    BOUND_GEOMETRY_ATTR,
+    admit_builder,
+    attach_local_seq_lens_buffer,
     resolve_group_geometry,
+    with_group_local_seq_lens,
+)
+from vllm_dcp_geometry.contract import GroupGeometry
+from vllm_dcp_geometry.group_context import (
+    current_group_geometry,
+    use_group_geometry,
+)
+from vllm_dcp_geometry.mla_geometry import (
+    ShardWorldGroup,
+    bind_mla_group,
+    check_context_workspace,
+    decode_bound_metadata,
+    group_context_chunk_kwargs,
 )
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 RUNS_IN = "worker"
 WHY = (
-    "MLA builders/impls size workspaces and split context over the global D; "
-    "a partial shard count must be refused at start-up, not run wrongly."
+    "MLA builders, impls and layers take D from the DCP group whatever the "
+    "spec says; replicated MLA groups must run locally and partial ones read "
+    "K shards and combine exactly."
 )
-REMOVE_WHEN = "MLA takes a per-group DCP shard count"
+REMOVE_WHEN = "vLLM's MLA takes a per-group DCP shard count"
 RELATED = "vllm#23734 (MLA DCP sizes its workspaces and combine from D)"
 
 _M = UPSTREAM_MODULE
@@ -48,7 +77,60 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "self, kv_cache_spec, layer_names, vllm_config, device, metadata_cls=, "
         "supports_dcp_with_varlen=",
     ),
+    UpstreamSymbol(
+        _M,
+        "MLACommonMetadataBuilder.build",
+        "self, common_prefix_len, common_attn_metadata, fast_build=",
+    ),
+    UpstreamSymbol(_M, "get_dcp_group", ""),
+    UpstreamSymbol(
+        _M,
+        "build_mla_chunked_context_metadata",
+        "*, context_lens_cpu, prefill_query_start_loc_cpu, "
+        "chunked_prefill_workspace, chunked_prefill_workspace_size, block_size, "
+        "align_chunk_to_block, device, dcp_world_size, dcp_local_block_size, "
+        "dcp_virtual_block_size, dcp_manager=, align_indptr=",
+    ),
+    # Relied on: the layer reads impl.dcp_world_size, dcp_manager.combine and
+    # impl.forward_mqa; the context path splits its workspace by the impl's
+    # D and reorganises K shards from the gather.
+    UpstreamSymbol(_M, "MLAAttention.forward_impl"),
+    UpstreamSymbol(
+        _M,
+        "MLACommonBaseImpl._context_parallel_compute_prefill_context",
+        "self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, dcp_world_size, "
+        "fused_mla_kv_concat_fn=",
+    ),
+    UpstreamSymbol(
+        _M,
+        "reorg_kvcache",
+        "allgatered_kv_c_normed, allgatered_k_pe, padded_local_chunk_seq_lens_lst, "
+        "local_context_lens_allranks, local_starts, sum_seq_len, max_seq_len, toks",
+    ),
+    UpstreamSymbol(
+        _M, "MLADCPManager.init_kv_gather", "self, workspace, max_gathered_tokens"
+    ),
 )
+
+
+def _make_get_dcp_group(original: Callable[[], Any]) -> Callable[[], Any]:
+    def get_dcp_group() -> Any:
+        geometry = current_group_geometry()
+        if geometry is None or not geometry.is_replicated:
+            return original()
+        return ShardWorldGroup(geometry)
+
+    return get_dcp_group
+
+
+def _make_chunk_planner(original: Callable[..., Any]) -> Callable[..., Any]:
+    def build_mla_chunked_context_metadata(**kwargs: Any) -> Any:
+        geometry = current_group_geometry()
+        if geometry is None or not geometry.is_partial:
+            return original(**kwargs)
+        return original(**group_context_chunk_kwargs(kwargs, geometry))
+
+    return build_mla_chunked_context_metadata
 
 
 def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -61,19 +143,66 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is not None and geometry.is_partial:
-            raise partial_shard_refusal(
-                geometry,
-                f"{type(self).__name__} (MLA)",
-                "MLA sizes its workspaces and splits its context over the whole "
-                "DCP group. Use K=1 ('replicated') or K=D ('sharded') for MLA "
-                "layers.",
+        def construct() -> None:
+            original(
+                self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs
             )
-        original(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+
+        geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
+        if geometry is None or geometry.shard_count == geometry.dcp_world_size:
+            construct()
+            return
+        admission = admit_builder(
+            self, geometry, kv_cache_spec, vllm_config, layer_names
+        )
+        if admission.mode is AttentionMode.LOCAL:
+            with use_group_geometry(geometry):
+                construct()
+        else:
+            construct()
+            check_context_workspace(
+                geometry, self.chunked_prefill_workspace_size, self.page_size
+            )
+            attach_local_seq_lens_buffer(self, vllm_config, device)
+        setattr(self, BOUND_GEOMETRY_ATTR, geometry)
+        bind_mla_group(vllm_config, layer_names, geometry)
 
     return __init__
 
 
+def _partial_geometry(builder: Any) -> GroupGeometry | None:
+    geometry = getattr(builder, BOUND_GEOMETRY_ATTR, None)
+    if geometry is None or not geometry.is_partial:
+        return None
+    return geometry
+
+
+def _make_build(original: Callable[..., Any]) -> Callable[..., Any]:
+    def build(
+        self: Any,
+        common_prefix_len: int,
+        common_attn_metadata: Any,
+        fast_build: bool = False,
+    ) -> Any:
+        geometry = _partial_geometry(self)
+        if geometry is None:
+            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        group_metadata = decode_bound_metadata(
+            with_group_local_seq_lens(self, common_attn_metadata, geometry), geometry
+        )
+        with use_group_geometry(geometry):
+            metadata = original(self, common_prefix_len, group_metadata, fast_build)
+        if not metadata.num_decodes:
+            # Without decodes upstream reports the batch's own bound.
+            metadata.max_seq_len = common_attn_metadata.max_seq_len
+        return metadata
+
+    return build
+
+
 def apply(module: ModuleType) -> None:
-    wrap(module.MLACommonMetadataBuilder, "__init__", _make_builder_init)
+    wrap(module, "get_dcp_group", _make_get_dcp_group)
+    wrap(module, "build_mla_chunked_context_metadata", _make_chunk_planner)
+    builder = module.MLACommonMetadataBuilder
+    wrap(builder, "__init__", _make_builder_init)
+    wrap(builder, "build", _make_build)

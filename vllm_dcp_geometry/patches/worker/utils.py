@@ -1,19 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Patch ``vllm.v1.worker.utils``: refuse a partial DCP shard count for any
-attention backend that cannot honour it, at start-up.
+"""Patch ``vllm.v1.worker.utils``: admit every attention group at start-up.
 
-What: wraps ``AttentionGroup.create_metadata_builders`` (used by Model Runner
-V1 and V2 alike). Before any builder is made for a group with 1 < K < D, the
-backend's builder class must be one the plugin taught the group geometry
-(``attention_geometry.register_partial_shard_builder``: FlashAttention and
-FlashInfer); any other raises ``DcpGeometryError`` naming the group, its
-layers, the backend, K and D. Groups with K in {1, D}, or D == 1, go straight
-to upstream.
+What: wraps ``AttentionGroup.create_metadata_builders`` (Model Runner V1 and
+V2, target and draft groups alike). Before any builder is made for a group
+whose K differs from D, the group goes through the one admission rule,
+``attention_admission.admit_attention``, with its spec's kind, K, D, the K
+vLLM would read it with, its backend and the DCP modes (PCP, MLA query
+replication, interleave). A refused group raises ``DcpGeometryError`` naming
+the group and its layers, the backend, K and D; ``vllm-dcp-geometry plan``
+prints the same decision. Groups with K = D, or D = 1, go straight to
+upstream.
 
-Why: every other builder and impl in vLLM 0.33.0 assumes the global D (local
-lengths, combines, workspaces); running one on a K-sharded cache would be
-silently wrong. Failing closed at start-up is the contract's rule.
+Why: a backend the plugin has not taught a group's K reads every cache with
+vLLM's own geometry (the global D for MLA and most backends); running it on a
+cache with another K would be silently wrong.
 
 Remove when: every vLLM attention backend takes a per-group shard count.
 """
@@ -26,16 +27,17 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_geometry import (
-    builder_supports_partial_shards,
-    partial_shard_refusal,
+    admit_group,
+    attention_kind,
+    backend_label,
     resolve_group_geometry,
 )
 
 UPSTREAM_MODULE = "vllm.v1.worker.utils"
 RUNS_IN = "worker"
 WHY = (
-    "Only the FlashAttention and FlashInfer builders are taught a partial DCP "
-    "shard count; every other backend must refuse one at start-up."
+    "Only some attention backends are taught a group's DCP shard count; every "
+    "group goes through one admission rule at start-up, which refuses the rest."
 )
 REMOVE_WHEN = "every attention backend takes a per-group DCP shard count"
 RELATED = "none upstream: backends take D from the process group"
@@ -50,23 +52,32 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
 )
 
 
-def check_backend_honours_shard_count(group: Any, vllm_config: Any) -> None:
-    """Raise if ``group`` has a partial K its backend's builder cannot honour."""
+def admit_attention_group(group: Any, vllm_config: Any) -> None:
+    """Raise if the admission rule refuses ``group`` (an ``AttentionGroup``).
+
+    At D = 1 (read from the DCP process group, as upstream builders read it)
+    nothing else is looked at.
+    """
+    from vllm.distributed import parallel_state
+
+    if parallel_state.get_dcp_world_size_and_rank(True)[0] == 1:
+        return
     geometry = resolve_group_geometry(
-        group.kv_cache_spec, group.layer_names, vllm_config
+        group.kv_cache_spec,
+        group.layer_names,
+        vllm_config,
+        index=group.kv_cache_group_id,
     )
-    if geometry is None or not geometry.is_partial:
+    if geometry is None or geometry.shard_count == geometry.dcp_world_size:
         return
-    builder_cls = group.backend.get_builder_cls()
-    if builder_supports_partial_shards(builder_cls):
-        return
-    raise partial_shard_refusal(
+    backend = group.backend
+    admit_group(
         geometry,
-        f"KV-cache group {group.kv_cache_group_id}: attention backend "
-        f"{group.backend.get_name()} ({builder_cls.__qualname__})",
-        "Use K=1 ('replicated'), K=D ('sharded'), or the FLASH_ATTN / "
-        "FLASHINFER backend for this group.",
-    )
+        kind=attention_kind(group.kv_cache_spec, backend),
+        backend=backend_label(backend.get_name(), backend.get_builder_cls()),
+        vllm_config=vllm_config,
+        layer_names=group.layer_names,
+    ).check()
 
 
 def _make_create_metadata_builders(
@@ -79,7 +90,7 @@ def _make_create_metadata_builders(
         kernel_block_size: int | None = None,
         num_metadata_builders: int = 1,
     ) -> Any:
-        check_backend_honours_shard_count(self, vllm_config)
+        admit_attention_group(self, vllm_config)
         return original(
             self, vllm_config, device, kernel_block_size, num_metadata_builders
         )

@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""MLA groups with K = 1, a partial K and K = D on vLLM's compiled MLA backends.
+
+The CPU numerics of ``tests/test_mla_numerics.py`` on one CUDA device: D
+simulated ranks (``tests.mla_harness``; only the DCP collectives are
+simulated, the ``vllm._C`` cache ops and every kernel are the real ones) run
+``MLAAttention.forward_impl`` with FLASHMLA, FLASH_ATTN_MLA, FLASHINFER_MLA,
+CUTLASS_MLA and TRITON_MLA and their own prefill backend, against a float64
+single-device reference, in bfloat16 at DeepSeek-V3's latent sizes. A
+backend the device cannot run (FLASHINFER_MLA and CUTLASS_MLA need SM100,
+FLASH_ATTN_MLA FA3) is skipped by name.
+
+Run it on a machine with a GPU, from the repository root:
+
+    python tests/gpu/test_gpu_mla.py
+    pytest --noconftest tests/gpu/test_gpu_mla.py
+
+``tests/conftest.py`` hides every GPU and turns the Triton interpreter on, so
+under a plain ``pytest tests`` these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.mla_harness import Shape
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (see docstring)"
+    ),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="checks the compiled kernels; unset TRITON_INTERPRET",
+    ),
+]
+
+# bfloat16 inputs and caches: the kernels' rounding, not the geometry.
+TOLERANCE = 3e-2
+BLOCK_SIZES = {"CUTLASS_MLA": 128}
+BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA")
+# (D, K, I): replicated, partial, sharded at D = 4 (I = 1: FLASHINFER_MLA
+# refuses any other interleave under DCP), and a partial K with I = B.
+CASES = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, "B")]
+
+
+def gpu_shape(backend: str) -> Shape:
+    from tests.mla_harness import CPU, Shape
+
+    block = BLOCK_SIZES.get(backend, 64)
+    return Shape(
+        block_size=block,
+        heads_per_rank=16,
+        kv_lora_rank=512,
+        rope_dim=64,
+        nope_dim=128,
+        v_head_dim=128,
+        max_model_len=512,
+        num_blocks=128,
+        requests=tuple((8 * c, n) for c, n in CPU.requests),
+        device="cuda",
+        dtype=torch.bfloat16,
+    )
+
+
+def _runnable(backend: str) -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        backend_cls = AttentionBackendEnum[backend].get_class()
+    except Exception as exc:  # a kernel library is missing
+        pytest.skip(f"{backend} does not import here: {exc}")
+    capability = current_platform.get_device_capability()
+    if not backend_cls.supports_compute_capability(capability):
+        pytest.skip(f"{backend} does not run on compute capability {capability}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _patched() -> None:
+    import vllm_dcp_geometry
+
+    vllm_dcp_geometry.register()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("dcp", "k", "interleave"), CASES)
+def test_compiled_mla_backend_follows_the_group(
+    backend: str, dcp: int, k: int, interleave: int | str
+) -> None:
+    from tests.mla_cases import run_case
+
+    _runnable(backend)
+    shape = gpu_shape(backend)
+    i = shape.block_size if interleave == "B" else int(interleave)
+    if backend == "FLASHINFER_MLA" and i != 1:
+        pytest.skip("FLASHINFER_MLA refuses an interleave other than 1 under DCP")
+    report = run_case(dcp, k, i, patched=True, shape=shape, backend_name=backend)
+    for key in ("decode_out", "prefill_out", "decode_lse", "context_lse"):
+        assert report[key] <= TOLERANCE, (backend, dcp, k, i, key, report)
+
+
+def test_plan_defaults_are_vllms_first_choice_on_sm90() -> None:
+    from vllm.platforms.cuda import _get_backend_priorities
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_dcp_geometry.cli.plan import DEFAULT_ATTENTION_BACKENDS
+
+    hopper = DeviceCapability(9, 0)
+    assert DEFAULT_ATTENTION_BACKENDS["mla"] == (
+        _get_backend_priorities(True, hopper)[0].name
+    )
+    assert DEFAULT_ATTENTION_BACKENDS["full_attention"] == (
+        _get_backend_priorities(False, hopper)[0].name
+    )
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.exit(
+        pytest.main(
+            [
+                __file__,
+                "--noconftest",
+                "-p",
+                "no:cacheprovider",
+                "-v",
+                "-rs",
+                *sys.argv[1:],
+            ]
+        )
+    )

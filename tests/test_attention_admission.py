@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The one admission rule (``attention_admission.admit_attention``), pure.
+
+Every refusal is checked with its message: it names the group, the backend,
+K and D, and says why and what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm_dcp_geometry.attention_admission import (
+    TAUGHT_BACKENDS,
+    AttentionKind,
+    AttentionMode,
+    admit_attention,
+    is_mla_backend_name,
+)
+from vllm_dcp_geometry.contract import DcpGeometryError
+
+OWNER = "KV-cache group 2 (model.layers.3.self_attn.attn)"
+MLA = AttentionKind.MLA
+ATTN = AttentionKind.ATTENTION
+DENSE_MLA = (
+    "FLASHMLA",
+    "FLASH_ATTN_MLA",
+    "FLASHINFER_MLA",
+    "CUTLASS_MLA",
+    "TRITON_MLA",
+)
+
+
+def admit(kind: AttentionKind, backend: str | None, k: int, d: int, **kw: Any):
+    default = kw.pop("default", d if k > 1 or kind is MLA else 1)
+    return admit_attention(
+        owner=OWNER,
+        kind=kind,
+        backend=backend,
+        shard_count=k,
+        dcp_world_size=d,
+        default_shard_count=default,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("backend", DENSE_MLA)
+def test_dense_mla_runs_every_k(backend: str) -> None:
+    assert admit(MLA, backend, 1, 8).mode is AttentionMode.LOCAL
+    assert admit(MLA, backend, 1, 8, default=1).mode is AttentionMode.LOCAL
+    for k in (2, 4):
+        assert admit(MLA, backend, k, 8).mode is AttentionMode.DCP_PARTIAL
+    assert admit(MLA, backend, 8, 8).mode is AttentionMode.DCP
+    assert admit(MLA, backend, 1, 1).mode is AttentionMode.LOCAL
+
+
+def test_recurrent_groups_have_no_attention() -> None:
+    for d in (1, 4):
+        admission = admit(AttentionKind.NONE, None, 1, d, default=1)
+        assert admission.mode is AttentionMode.NONE
+        assert admission.check() is admission
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
+def test_taught_attention_backends(backend: str) -> None:
+    assert admit(ATTN, backend, 1, 4, default=1).mode is AttentionMode.LOCAL
+    assert admit(ATTN, backend, 2, 4).mode is AttentionMode.DCP_PARTIAL
+    assert admit(ATTN, backend, 4, 4).mode is AttentionMode.DCP
+
+
+def _refusal(admission) -> str:
+    assert admission.mode is AttentionMode.REFUSED
+    with pytest.raises(DcpGeometryError) as excinfo:
+        admission.check()
+    message = str(excinfo.value)
+    assert message == admission.reason and "\n" not in message
+    assert message.startswith(OWNER)
+    return message
+
+
+@pytest.mark.parametrize(
+    ("backend", "k", "words"),
+    [
+        ("FLASHMLA_SPARSE", 1, "sparse MLA and its indexer are not taught"),
+        ("FLASHINFER_MLA_SPARSE", 2, "sparse MLA and its indexer are not taught"),
+        ("DEEPSEEK_V32_INDEXER", 1, "sparse MLA and its indexer are not taught"),
+        ("ROCM_AITER_MLA", 1, "ROCM_AITER_MLA is not taught"),
+        ("CPU_MLA", 2, "CPU_MLA is not taught"),
+    ],
+)
+def test_untaught_mla_backends_refuse_every_k_but_d(
+    backend: str, k: int, words: str
+) -> None:
+    """vLLM's MLA reads every cache with K = D, whatever dcp_sharded says."""
+    message = _refusal(admit(MLA, backend, k, 8, default=1 if k == 1 else 8))
+    assert f"attention backend {backend}, K={k}, D=8" in message
+    assert words in message and "vLLM's own K=8" in message
+    assert admit(MLA, backend, 8, 8).mode is AttentionMode.DCP
+
+
+def test_untaught_attention_backend_runs_only_vllms_own_k() -> None:
+    message = _refusal(admit(ATTN, "TRITON_ATTN", 2, 8))
+    assert "attention backend TRITON_ATTN, K=2, D=8" in message
+    assert "FLASH_ATTN" in message and "FLASHINFER" in message
+    # vLLM's own replicated reading of a dcp_sharded=False spec stays.
+    assert admit(ATTN, "TRITON_ATTN", 1, 8, default=1).mode is AttentionMode.LOCAL
+    _refusal(admit(ATTN, "TRITON_ATTN", 1, 8, default=8))
+    # A taught name for another kind is not taught.
+    _refusal(admit(ATTN, "TRITON_MLA", 2, 8))
+    _refusal(admit(MLA, "FLASH_ATTN", 1, 8))
+    _refusal(admit(ATTN, None, 2, 8))
+
+
+@pytest.mark.parametrize("backend", DENSE_MLA)
+def test_mla_with_pcp_or_query_replication_refuses_k_below_d(backend: str) -> None:
+    for k in (1, 2):
+        message = _refusal(admit(MLA, backend, k, 4, pcp_world_size=2))
+        assert f"{backend}, K={k}, D=4" in message and "PCP=2" in message
+        message = _refusal(admit(MLA, backend, k, 4, dcp_q_replicate=True))
+        assert f"{backend}, K={k}, D=4" in message and "dcp_q_replicate" in message
+    assert admit(MLA, backend, 4, 4, pcp_world_size=2).mode is AttentionMode.DCP
+    assert admit(MLA, backend, 4, 4, dcp_q_replicate=True).mode is AttentionMode.DCP
+
+
+def test_attention_with_pcp_keeps_vllms_replicated_spec_only() -> None:
+    assert (
+        admit(ATTN, "FLASH_ATTN", 1, 4, default=1, pcp_world_size=2).mode
+        is AttentionMode.LOCAL
+    )
+    _refusal(admit(ATTN, "FLASH_ATTN", 1, 4, default=4, pcp_world_size=2))
+    _refusal(admit(ATTN, "FLASHINFER", 2, 4, pcp_world_size=2))
+
+
+def test_flashinfer_mla_needs_interleave_one_below_d() -> None:
+    for k in (1, 2):
+        message = _refusal(admit(MLA, "FLASHINFER_MLA", k, 4, interleave_size=16))
+        assert "cp_kv_cache_interleave_size=16" in message
+        assert admit(MLA, "FLASHINFER_MLA", k, 4).mode is not AttentionMode.REFUSED
+    assert admit(MLA, "TRITON_MLA", 2, 4, interleave_size=16).mode is (
+        AttentionMode.DCP_PARTIAL
+    )
+
+
+def test_bad_shard_counts_are_errors_not_refusals() -> None:
+    for k, d in ((3, 4), (0, 4), (8, 4)):
+        with pytest.raises(DcpGeometryError, match=f"K={k}"):
+            admit(MLA, "TRITON_MLA", k, d, default=d)
+
+
+def test_backend_names_and_builders() -> None:
+    """The taught table names vLLM's real backends and builder classes, and
+    the CLI's name rule for MLA backends matches every importable backend."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for member in AttentionBackendEnum:
+        try:
+            backend = member.get_class()
+        except Exception:
+            continue
+        assert is_mla_backend_name(member.name) == backend.is_mla(), member.name
+        taught = TAUGHT_BACKENDS.get(member.name)
+        if taught is not None:
+            builder = backend.get_builder_cls()
+            assert taught.builder == f"{builder.__module__}.{builder.__qualname__}"
+            assert (taught.kind is MLA) == backend.is_mla()
+    assert set(TAUGHT_BACKENDS) <= {m.name for m in AttentionBackendEnum}

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``plan --attention-backend``: each group's attention mode from the same
+admission rule start-up applies, and a refused group exits 2 with the very
+message start-up raises.
+
+About 10 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.mla_harness import SimulatedGroup, cpu_shims, model_dir
+from tests.mla_ranks import mla_model_config, process_groups
+from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.topology import load_profile
+
+
+def _plan(capsys, *args: str, status: int = EXIT_OK) -> tuple[dict, str]:
+    assert main(["plan", "--json", *args]) == status
+    captured = capsys.readouterr()
+    return json.loads(captured.out), captured.err
+
+
+def _modes(plan: dict) -> dict[str, tuple[str, str | None]]:
+    return {
+        g["name"]: (g["attention_mode"], g["attention_backend"]) for g in plan["groups"]
+    }
+
+
+def test_default_profile_runs_every_group(capsys) -> None:
+    plan, err = _plan(capsys)
+    modes = _modes(plan)
+    assert err == ""
+    assert modes["draft"] == ("local", "FLASH_ATTN_MLA")
+    assert all(modes[f"mla.{i}"] == ("dcp", "FLASH_ATTN_MLA") for i in range(4))
+    assert all(modes[f"kda.{i}"] == ("none", None) for i in range(12))
+    assert all(g["attention_refusal"] is None for g in plan["groups"])
+    assert plan["inputs"]["attention_backend"] is None
+
+
+def test_partial_profile_and_the_table(capsys) -> None:
+    plan, _ = _plan(capsys, "-p", "partial-shard-tp8-dcp8")
+    assert _modes(plan) == {
+        "attn.k8": ("dcp", "FLASH_ATTN"),
+        "attn.k4": ("dcp-partial", "FLASH_ATTN"),
+        "draft": ("local", "FLASH_ATTN"),
+    }
+    assert main(["plan", "-p", "partial-shard-tp8-dcp8"]) == EXIT_OK
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("group"))
+    assert "attention" in header.split()
+    assert any(
+        line.startswith("attn.k4") and " dcp-partial " in line
+        for line in table.splitlines()
+    )
+
+
+@pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHMLA", "CUTLASS_MLA"])
+def test_an_mla_backend_applies_to_mla_groups_only(capsys, backend: str) -> None:
+    plan, _ = _plan(capsys, "--attention-backend", backend)
+    modes = _modes(plan)
+    assert modes["draft"] == ("local", backend)
+    assert modes["kda.0"] == ("none", None)
+    plan, _ = _plan(
+        capsys, "-p", "partial-shard-tp8-dcp8", "--attention-backend", backend
+    )
+    assert _modes(plan)["attn.k4"] == ("dcp-partial", "FLASH_ATTN")
+
+
+def test_refused_group_exits_2_with_the_start_up_message(capsys) -> None:
+    """The plan's reason is, character for character, what vLLM's
+    ``AttentionGroup.create_metadata_builders`` raises for that group."""
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.v1.worker.utils import AttentionGroup
+
+    from vllm_dcp_geometry.cli import _vllm
+
+    plan, err = _plan(
+        capsys, "--attention-backend", "FLASHMLA_SPARSE", status=EXIT_BAD_INPUT
+    )
+    (refused,) = [g for g in plan["groups"] if g["attention_mode"] == "refused"]
+    assert refused["name"] == "draft"
+    assert err.strip() == f"vllm-dcp-geometry: error: {refused['attention_refusal']}"
+
+    topology = load_profile("kimi-k3-tp16-dcp16")
+    index = [g.name for g in topology.groups].index("draft")
+    group = topology.groups[index]
+    spec = _vllm.build_spec(group, topology, patched=True)
+    attention_group = AttentionGroup(
+        FlashMLASparseBackend, list(group.layers), spec, index
+    )
+    with cpu_shims(), process_groups(SimulatedGroup(None, 16, 9)):
+        config = mla_model_config(model_dir(16), 16, 1)
+        with pytest.raises(DcpGeometryError) as excinfo:
+            attention_group.create_metadata_builders(config, torch.device("cpu"))
+    assert str(excinfo.value) == refused["attention_refusal"]
+
+
+def test_unknown_backend_is_bad_input(capsys) -> None:
+    assert main(["plan", "--attention-backend", "NOT_A_BACKEND"]) == EXIT_BAD_INPUT
+    assert "NOT_A_BACKEND" in capsys.readouterr().err
+
+
+def test_plan_names_the_caches_unpatched_vllm_would_misread(capsys) -> None:
+    """vLLM 0.33.0's MLA reads every cache with K = D: a replicated MLA draft
+    is written with K = 1 and read with K = 16 there. FlashAttention follows
+    dcp_sharded, so a replicated dense draft is read as written."""
+    plan, _ = _plan(capsys)
+    read = {g["name"]: g["upstream"]["attention_shard_count"] for g in plan["groups"]}
+    assert read["draft"] == 16 and plan["groups"][-1]["upstream"]["shard_count"] == 1
+    assert all(read[f"mla.{i}"] == 16 for i in range(4))
+    assert all(read[f"kda.{i}"] is None for i in range(12))
+    assert main(["plan"]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "(wrong attention, no error): draft (written K=1, read K=16)" in text
+    assert text.rstrip().endswith("differs from 0.33.0 in: draft")
+    dense, _ = _plan(capsys, "-p", "dense-gqa-tp8-dcp8")
+    assert all(
+        g["upstream"]["attention_shard_count"] == g["upstream"]["shard_count"]
+        for g in dense["groups"]
+    )
+    assert main(["plan", "-p", "dense-gqa-tp8-dcp8"]) == EXIT_OK
+    assert "wrong attention" not in capsys.readouterr().out

@@ -1,0 +1,257 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""How a KV-cache group's attention runs under DCP: the one admission rule.
+
+``admit_attention`` decides, from a group's kind, its shard count K, the DCP
+world size D, the K vLLM 0.33.0 itself would read the cache with, the
+attention backend and the DCP modes that matter, one of:
+
+- ``local``: K = 1 (or D = 1). Every rank holds every position; attention is
+  plain single-device attention: no query all-gather, no LSE combine.
+- ``dcp``: K = D. vLLM's own DCP attention, untouched.
+- ``dcp-partial``: 1 < K < D. The backend reads the rank's shard ``r % K``
+  with the group's local lengths and combines exactly (duplicate replicas
+  weigh 0).
+- ``refused``: the backend cannot honour K; ``reason`` is the one-line
+  start-up error naming the group, backend, K and D.
+- ``none``: the group has no attention (recurrent state).
+
+The runtime (the ``AttentionGroup.create_metadata_builders`` patch and the
+builder patches) and ``vllm-dcp-geometry plan`` both call it, so ``plan``
+prints what start-up does. Pure logic: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vllm_dcp_geometry.contract import DcpGeometryError, check_dcp_world_size
+
+
+class AttentionMode(str, enum.Enum):
+    LOCAL = "local"
+    DCP = "dcp"
+    DCP_PARTIAL = "dcp-partial"
+    REFUSED = "refused"
+    NONE = "none"
+
+
+class AttentionKind(str, enum.Enum):
+    """What a group's spec asks of attention."""
+
+    ATTENTION = "attention"
+    """Token-slot attention whose builder (FlashAttention, FlashInfer) takes
+    the DCP world from the spec's ``dcp_sharded``."""
+
+    MLA = "mla"
+    """Multi-head latent attention (``MLAAttentionSpec`` and subclasses, the
+    sparse indexer's cache too): vLLM 0.33.0's MLA builders and impls take D
+    from the DCP group, never from the spec, so vLLM reads every MLA cache
+    with K = D whatever ``dcp_sharded`` says."""
+
+    NONE = "none"
+    """No attention reads the cache (recurrent state)."""
+
+
+@dataclass(frozen=True)
+class TaughtBackend:
+    """A backend whose builder (this exact class) the plugin taught a
+    group's K: it runs K = 1 locally and 1 < K < D exactly."""
+
+    kind: AttentionKind
+    builder: str
+    """``module.qualname`` of the builder class the patches act on."""
+
+
+_BACKENDS = "vllm.v1.attention.backends."
+TAUGHT_BACKENDS: dict[str, TaughtBackend] = {
+    "FLASH_ATTN": TaughtBackend(
+        AttentionKind.ATTENTION, _BACKENDS + "flash_attn.FlashAttentionMetadataBuilder"
+    ),
+    "FLASHINFER": TaughtBackend(
+        AttentionKind.ATTENTION, _BACKENDS + "flashinfer.FlashInferMetadataBuilder"
+    ),
+    "FLASHMLA": TaughtBackend(
+        AttentionKind.MLA, _BACKENDS + "mla.flashmla.FlashMLAMetadataBuilder"
+    ),
+    "FLASH_ATTN_MLA": TaughtBackend(
+        AttentionKind.MLA, _BACKENDS + "mla.flashattn_mla.FlashAttnMLAMetadataBuilder"
+    ),
+    "FLASHINFER_MLA": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashinfer_mla.FlashInferMLAMetadataBuilder",
+    ),
+    "CUTLASS_MLA": TaughtBackend(
+        AttentionKind.MLA, _BACKENDS + "mla.cutlass_mla.CutlassMLAMetadataBuilder"
+    ),
+    "TRITON_MLA": TaughtBackend(
+        AttentionKind.MLA, _BACKENDS + "mla.triton_mla.TritonMLAMetadataBuilder"
+    ),
+}
+"""Every backend the plugin taught a group's K, by vLLM backend name. Any
+other backend runs only the K vLLM itself reads the cache with."""
+
+
+def taught_backend_name(builder_path: str) -> str | None:
+    """The taught backend whose builder is exactly ``builder_path``."""
+    for name, taught in TAUGHT_BACKENDS.items():
+        if taught.builder == builder_path:
+            return name
+    return None
+
+
+INTERLEAVE_ONE_ONLY_BACKENDS = frozenset({"FLASHINFER_MLA"})
+"""Backends whose builder refuses ``cp_kv_cache_interleave_size != 1``
+whenever DCP is on (it reads the parallel config, not the group)."""
+
+
+@dataclass(frozen=True)
+class AttentionAdmission:
+    """The decision for one group; ``reason`` is set when refused."""
+
+    mode: AttentionMode
+    reason: str = ""
+
+    @property
+    def refused(self) -> bool:
+        return self.mode is AttentionMode.REFUSED
+
+    def check(self) -> AttentionAdmission:
+        """Raise the refusal as a start-up ``DcpGeometryError``."""
+        if self.refused:
+            raise DcpGeometryError(self.reason)
+        return self
+
+
+def vllm_shard_count(
+    kind: AttentionKind, dcp_world_size: int, default_shard_count: int
+) -> int:
+    """The K vLLM 0.33.0's own attention code reads a group's cache with."""
+    if kind is AttentionKind.MLA:
+        return dcp_world_size
+    return default_shard_count
+
+
+def is_mla_backend_name(backend: str) -> bool:
+    """vLLM 0.33.0 names every MLA member of ``AttentionBackendEnum`` (dense
+    and sparse) with ``MLA`` in it; the CLI uses this where a backend cannot
+    be imported without a GPU (a test checks it against every importable
+    backend)."""
+    return "MLA" in backend
+
+
+def _taught(kind: AttentionKind, backend: str) -> bool:
+    taught = TAUGHT_BACKENDS.get(backend)
+    return taught is not None and taught.kind is kind
+
+
+def _refusal(head: str, why: str, remedy: str) -> AttentionAdmission:
+    return AttentionAdmission(AttentionMode.REFUSED, f"{head}: {why}; {remedy}")
+
+
+def _remedy(kind: AttentionKind) -> str:
+    taught = ", ".join(n for n, t in TAUGHT_BACKENDS.items() if t.kind is kind)
+    return f"use K=D ('sharded') for this group, or the {taught} backend"
+
+
+def _untaught(
+    head: str, kind: AttentionKind, backend: str, k: int, vllm_k: int
+) -> AttentionAdmission:
+    sparse = "SPARSE" in backend or "INDEXER" in backend
+    what = "sparse MLA and its indexer are" if sparse else f"{backend} is"
+    return _refusal(
+        head,
+        f"{what} not taught per-group DCP shard counts and would read this "
+        f"cache with vLLM's own K={vllm_k}",
+        _remedy(kind),
+    )
+
+
+def admit_attention(
+    *,
+    owner: str,
+    kind: AttentionKind,
+    backend: str | None,
+    shard_count: int,
+    dcp_world_size: int,
+    default_shard_count: int,
+    pcp_world_size: int = 1,
+    interleave_size: int = 1,
+    dcp_q_replicate: bool = False,
+) -> AttentionAdmission:
+    """How ``owner``'s attention runs (see the module docstring).
+
+    ``default_shard_count`` is the contract's reading of the spec's
+    ``dcp_sharded`` (D or 1); ``backend`` is vLLM's backend name
+    (``AttentionBackend.get_name()``). ``dcp_q_replicate`` is MLA's DCP query
+    replication (the layer brings D*H query heads), ``interleave_size`` the
+    ``cp_kv_cache_interleave_size``.
+    """
+    check_dcp_world_size(dcp_world_size)
+    d, k = dcp_world_size, shard_count
+    if k < 1 or d % k != 0:
+        raise DcpGeometryError(
+            f"{owner}: shard count K={k} must divide the DCP world size D={d}"
+        )
+    if kind is AttentionKind.NONE:
+        return AttentionAdmission(AttentionMode.NONE)
+    if d == 1:
+        return AttentionAdmission(AttentionMode.LOCAL)
+    if k == d:
+        return AttentionAdmission(AttentionMode.DCP)
+    head = f"{owner}: attention backend {backend}, K={k}, D={d}"
+    vllm_k = vllm_shard_count(kind, d, default_shard_count)
+    if backend is None or not _taught(kind, backend):
+        if k == vllm_k:
+            return AttentionAdmission(AttentionMode.LOCAL)
+        return _untaught(head, kind, backend or "(none)", k, vllm_k)
+    return _admit_taught(
+        head,
+        kind,
+        backend,
+        k,
+        follows_vllm=k == vllm_k,
+        pcp_world_size=pcp_world_size,
+        interleave_size=interleave_size,
+        dcp_q_replicate=dcp_q_replicate,
+    )
+
+
+def _admit_taught(
+    head: str,
+    kind: AttentionKind,
+    backend: str,
+    k: int,
+    *,
+    follows_vllm: bool,
+    pcp_world_size: int,
+    interleave_size: int,
+    dcp_q_replicate: bool,
+) -> AttentionAdmission:
+    """K < D on a backend the plugin taught."""
+    partial = k > 1
+    if pcp_world_size > 1 and not follows_vllm:
+        return _refusal(
+            head,
+            f"prefill context parallelism (PCP={pcp_world_size}) keeps vLLM's "
+            "own attention, which knows only K=D here",
+            "use K=D ('sharded') or turn PCP off",
+        )
+    if kind is AttentionKind.MLA and dcp_q_replicate:
+        return _refusal(
+            head,
+            "DCP query replication (dcp_q_replicate) brings every rank the "
+            "query heads of all D ranks, which only a D-way combine reduces",
+            "use K=D ('sharded') or set dcp_q_replicate=False",
+        )
+    if backend in INTERLEAVE_ONE_ONLY_BACKENDS and interleave_size != 1:
+        return _refusal(
+            head,
+            f"its builder refuses cp_kv_cache_interleave_size={interleave_size} "
+            "whenever DCP is on",
+            "use cp_kv_cache_interleave_size=1 or another backend",
+        )
+    if partial:
+        return AttentionAdmission(AttentionMode.DCP_PARTIAL)
+    return AttentionAdmission(AttentionMode.LOCAL)

@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""MLA attention under a KV-cache group's DCP geometry.
+
+vLLM 0.33.0's MLA takes the DCP world from the process group everywhere: the
+builder (``MLACommonMetadataBuilder``: workspace N + N/D, context chunks over
+D ranks, decode lengths from the runner's global ``dcp_local_seq_lens``), the
+impl (``MLACommonImpl.dcp_world_size`` from the parallel config) and the layer
+(``MLAAttention.forward_impl``: query all-gather and LSE combine over D, the
+layer's ``MLADCPManager``). This module holds what the MLA patch binds so a
+group with K shards reads its cache with K:
+
+- K = 1 (``local``): the builder is constructed in the world (1, 0) - full
+  lengths, workspace N, no KV gather, the DCP1 prefill-context path - and the
+  impls run plain local attention (no query all-gather, no combine).
+- 1 < K < D (``dcp-partial``): builder and impls keep the D-wide query
+  all-gather, combine and context KV all-gather (the only collectives the DCP
+  group has), but decode reads the group's local lengths (``(K, r % K)``),
+  the context chunks are planned over K shards within a row budget the
+  D-wide gather fits, duplicate replicas (``r // K != 0``) weigh 0 in the
+  combine, and kernels that take ``cp_world_size``/``cp_rank`` get
+  ``(K, r % K)``.
+
+vLLM is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm_dcp_geometry.attention_geometry import (
+    BOUND_GEOMETRY_ATTR,
+    check_rebind,
+    make_impl_local,
+    mask_combine,
+)
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry, cdiv
+
+
+class ShardWorldGroup:
+    """What an MLA builder reads of the DCP ``GroupCoordinator`` while a local
+    group's builder is constructed: ``world_size`` 1 and ``rank_in_group`` 0.
+    Anything else an upstream change might read raises instead of answering
+    for the whole DCP group."""
+
+    def __init__(self, geometry: GroupGeometry) -> None:
+        if not geometry.is_replicated:
+            raise DcpGeometryError(
+                f"{geometry.describe()}: only a local (K=1) MLA group is built "
+                "outside the DCP group"
+            )
+        self._geometry = geometry
+        self.world_size, self.rank_in_group = geometry.shard_world
+
+    def __getattr__(self, name: str) -> Any:
+        raise DcpGeometryError(
+            f"{self._geometry.describe()}: the MLA builder of a local group read "
+            f"the DCP group's {name!r}, which this plugin does not answer for it"
+        )
+
+
+class ShardWorldForwardMqa:
+    """An MLA impl's ``forward_mqa`` bound to its group.
+
+    While the decode kernel call runs, the impl's ``dcp_world_size`` and
+    ``dcp_rank`` read the group's shard world ``(K, r % K)``: FLASH_ATTN_MLA
+    passes them as ``cp_world_size``/``cp_rank`` and FLASHINFER_MLA as
+    ``cp_world``/``cp_rank`` (the kernels' causal position map), the others
+    only test them against 1. A local group asks for no LSE (nothing combines
+    it; FLASHINFER_MLA's ragged multi-token decode cannot return one). The
+    layer around it still sees the impl's own values: D for a partial group
+    (its all-gather and combine span the DCP group), 1 for a local one.
+    """
+
+    def __init__(
+        self, impl: Any, forward_mqa: Callable[..., Any], geometry: GroupGeometry
+    ) -> None:
+        self.impl = impl
+        self.forward_mqa = forward_mqa
+        self.geometry = geometry
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        impl = self.impl
+        saved = impl.dcp_world_size, impl.dcp_rank, impl.need_to_return_lse_for_decode
+        impl.dcp_world_size, impl.dcp_rank = self.geometry.shard_world
+        if self.geometry.is_replicated:
+            impl.need_to_return_lse_for_decode = False
+        try:
+            return self.forward_mqa(*args, **kwargs)
+        finally:
+            (
+                impl.dcp_world_size,
+                impl.dcp_rank,
+                impl.need_to_return_lse_for_decode,
+            ) = saved
+
+
+def group_mla_layers(
+    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
+) -> list[tuple[str, Any]]:
+    """(name, layer) of every MLA layer of the group; a missing one is an
+    error, since its impl would keep vLLM's D-wide geometry."""
+    context = vllm_config.compilation_config.static_forward_context
+    layers = []
+    for name in layer_names:
+        layer = context.get(name)
+        if getattr(layer, "impl", None) is None:
+            raise DcpGeometryError(
+                f"{geometry.describe()}: layer {name} has no MLA attention impl in "
+                "the forward context, so it cannot be bound to the group's K"
+            )
+        layers.append((name, layer))
+    return layers
+
+
+def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
+    """Give an MLA layer's impl (built with the model) its group's geometry;
+    idempotent for the same geometry, an error for another."""
+    impl = layer.impl
+    what = f"the MLA attention impl of layer {layer_name}"
+    if check_rebind(impl, geometry, what):
+        return
+    if geometry.is_replicated:
+        make_impl_local(impl)
+    else:
+        manager = getattr(layer, "dcp_manager", None)
+        if impl.dcp_world_size != geometry.dcp_world_size or manager is None:
+            raise DcpGeometryError(
+                f"{geometry.describe()}: {what} runs with a DCP world size of "
+                f"{impl.dcp_world_size}, not the group's D"
+            )
+        manager.combine = mask_combine(manager.combine, geometry.replica)
+    impl.forward_mqa = ShardWorldForwardMqa(impl, impl.forward_mqa, geometry)
+    setattr(impl, BOUND_GEOMETRY_ATTR, geometry)
+
+
+def bind_mla_group(
+    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
+) -> None:
+    for name, layer in group_mla_layers(vllm_config, layer_names, geometry):
+        bind_mla_layer(layer, geometry, name)
+
+
+# Chunked-prefill context of a partial group ------------------------------------
+
+
+def context_row_budget(workspace_rows: int, geometry: GroupGeometry) -> int:
+    """Context rows (all K shards together) one chunk may hold.
+
+    The layer's ``MLADCPManager`` all-gathers every rank's local rows over the
+    D-rank DCP group into the N-row half of the N + N/D workspace, so a rank
+    may gather at most N/D local rows per chunk; K shards of N/D rows each
+    make N*K/D context rows.
+    """
+    d = geometry.dcp_world_size
+    if workspace_rows % d:
+        raise DcpGeometryError(
+            f"{geometry.describe()}: the MLA context workspace of {workspace_rows} "
+            f"rows is not a multiple of D={d}"
+        )
+    return workspace_rows // d * geometry.shard_count
+
+
+def check_context_workspace(
+    geometry: GroupGeometry, workspace_rows: int, page_size: int
+) -> None:
+    """A partial group's context chunks must hold at least one aligned step
+    (``lcm(B, I*K)`` rows), or vLLM's planner could not split a context."""
+    alignment = math.lcm(page_size, geometry.interleave_size * geometry.shard_count)
+    budget = context_row_budget(workspace_rows, geometry)
+    if budget < alignment:
+        raise DcpGeometryError(
+            f"{geometry.describe()}: the MLA chunked-prefill workspace holds "
+            f"{budget} context rows per chunk for this K, fewer than one aligned "
+            f"step of {alignment}; raise max_model_len or max_num_seqs, or use "
+            "K=1 or K=D"
+        )
+
+
+def group_context_chunk_kwargs(
+    kwargs: dict[str, Any], geometry: GroupGeometry
+) -> dict[str, Any]:
+    """The arguments of ``build_mla_chunked_context_metadata`` for a partial
+    group, from the builder's D-wide ones: chunks planned over K shards
+    (local lengths ``(K, s)``, alignment ``lcm(B, I*K)``, a row budget of N/D
+    local rows per rank). The reorganisation after the D-wide gather then
+    reads DCP ranks 0..K-1 - replica 0 of every shard - each shard once."""
+    d, k, i = geometry.dcp_world_size, geometry.shard_count, geometry.interleave_size
+    seen = (
+        kwargs["dcp_world_size"],
+        kwargs["dcp_local_block_size"],
+        kwargs["dcp_virtual_block_size"],
+    )
+    if seen != (d, i, i * d):
+        raise DcpGeometryError(
+            f"{geometry.describe()}: the MLA builder planned its context with "
+            f"(D, I, I*D)={seen}, not the group's DCP world (D={d}, I={i})"
+        )
+    return {
+        **kwargs,
+        "dcp_world_size": k,
+        "dcp_virtual_block_size": i * k,
+        "chunked_prefill_workspace_size": context_row_budget(
+            kwargs["chunked_prefill_workspace_size"], geometry
+        ),
+    }
+
+
+# Decode of a partial group -------------------------------------------------------
+
+
+def decode_bound_metadata(common_attn_metadata: Any, geometry: GroupGeometry) -> Any:
+    """The common metadata with ``max_seq_len`` scaled so the builder's
+    D-rank bound ``ceil(L' / (D*I)) * I`` comes out as the group's
+    ``ceil(L / (K*I)) * I``: ``L' = ceil(L / (K*I)) * D*I``."""
+    i = geometry.interleave_size
+    rounds = cdiv(common_attn_metadata.max_seq_len, geometry.shard_count * i)
+    return dataclasses.replace(
+        common_attn_metadata, max_seq_len=rounds * geometry.dcp_world_size * i
+    )
