@@ -8,8 +8,10 @@ Sections (``--only`` picks some):
   (1,000,000 tokens, default profile, DCP16) and a 64-request prefix-caching
   workload at DCP1 and DCP16, patched vs unpatched, each measurement in its
   own fresh process, alternated unpatched/patched over ``--pairs`` pairs.
-  Headline: thread CPU time inside the manager per ``allocate_slots`` call,
-  and the per-pair patched/unpatched ratio (median, min-max).
+  Headline: thread CPU time inside the manager per ``allocate_slots`` call
+  with the GC heap frozen after set-up (as vLLM's engine core runs), and the
+  per-pair patched/unpatched ratio (median, min-max); the same ratio with the
+  heap unfrozen beside it.
 - ``startup``: ``register()`` right after ``import vllm`` (timed in every
   patched scheduler process, or in its own processes without ``scheduler``)
   and ``import vllm_dcp_geometry`` in a fresh interpreter without vLLM.
@@ -19,7 +21,8 @@ Sections (``--only`` picks some):
 
 The orchestrator imports nothing from vLLM; it byte-compiles this package
 and the plugin first (as ``pip install`` does), prints a short table and
-writes the full results as JSON.
+writes the full results as JSON (``report``: the table and the required
+shape of the document).
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ from benchmarks.common import (
     run_child,
     versions,
 )
+from benchmarks.report import TARGETS, format_table, validate_results
 
 SECTIONS = ("scheduler", "startup", "memory")
 SCHEMA_VERSION = 1
 
-TARGETS = {"scheduler_ratio": 1.02, "register_ms": 50.0, "import_ms": 20.0}
 
 # (workload, DCP, repeats per process in a full run)
 SCHEDULER_CONFIGS: tuple[tuple[str, int, int], ...] = (
@@ -85,6 +88,100 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _measure_pairs(
+    pairs: int,
+    quick: bool,
+    configs: Sequence[tuple[str, int, int]],
+    profile: bool,
+    log: Callable[[str], None],
+) -> dict[tuple[str, int], dict[str, list[dict[str, Any]]]]:
+    """Every measurement process, alternated unpatched/patched per pair."""
+    samples: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {
+        (w, d): {"unpatched": [], "patched": []} for w, d, _ in configs
+    }
+    for pair in range(pairs):
+        for workload, dcp, repeats in configs:
+            for mode in ("unpatched", "patched"):
+                log(f"  pair {pair + 1}/{pairs}: {workload} DCP{dcp} {mode}")
+                argv = ["-m", "benchmarks.scheduler", "--workload", workload]
+                argv += ["--dcp", str(dcp), "--mode", mode]
+                argv += ["--repeats", str(1 if quick else repeats)]
+                if profile and pair == 0:
+                    argv.append("--profile")
+                result = run_child(argv, patched=mode == "patched")
+                samples[(workload, dcp)][mode].append(result)
+    return samples
+
+
+def _ratios(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, float]:
+    """Medians of ``key`` on both sides and the per-pair ratio, by name."""
+    summary = pair_summary(
+        [r[key] for r in runs["unpatched"]], [r[key] for r in runs["patched"]]
+    )
+    return {
+        "unpatched_us": summary["unpatched_median"],
+        "patched_us": summary["patched_median"],
+        "ratio_median": summary["ratio_median"],
+        "ratio_min": summary["ratio_min"],
+        "ratio_max": summary["ratio_max"],
+    }
+
+
+def _add_profiles(row: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """The first pair ran one more repeat under cProfile on each side: how
+    much of the patched loop is this plugin's own code."""
+    profiles = {
+        mode: runs[mode][0]["cprofile"]
+        for mode in ("unpatched", "patched")
+        if runs[mode][0].get("cprofile")
+    }
+    if profiles:
+        row["cprofile_first_pair"] = profiles
+        patched_profile = profiles.get("patched")
+        if patched_profile:
+            row["plugin_code_ms_in_profiled_repeat"] = patched_profile["plugin_code_ms"]
+            row["profiled_repeat_ms"] = patched_profile["profiled_ms"]
+        if len(profiles) == 2:
+            row["same_vllm_calls"] = (
+                profiles["patched"]["vllm_calls_digest"]
+                == profiles["unpatched"]["vllm_calls_digest"]
+            )
+    for mode in ("unpatched", "patched"):
+        for run in runs[mode]:
+            run.pop("cprofile", None)
+
+
+def _scheduler_row(
+    workload: str, dcp: int, runs: dict[str, list[dict[str, Any]]], pairs: int
+) -> dict[str, Any]:
+    first = runs["patched"][0]
+    cpu = _ratios(runs, "us_per_allocation")
+    row: dict[str, Any] = {
+        "workload": workload,
+        "profile": first["profile"],
+        "dcp": dcp,
+        "prefix_caching": first["prefix_caching"],
+        "max_model_len": first["max_model_len"],
+        "allocations": first["best"]["allocations"],
+        "scheduler_steps": first["best"]["scheduler_steps"],
+        "prefix_hit_tokens": first["best"]["prefix_hit_tokens"],
+        "scheduler_block_size": first["scheduler_block_size"],
+        "hash_block_size": first["hash_block_size"],
+        "pairs": pairs,
+        "repeats_per_process": first["repeats"],
+        "metric": "thread CPU us inside the manager per allocate_slots call",
+        "gc": first["gc"],
+        **cpu,
+        "wall": _ratios(runs, "wall_us_per_allocation"),
+        "unfrozen": _ratios(runs, "unfrozen_us_per_allocation"),
+        "target_ratio": TARGETS["scheduler_ratio"],
+        "within_target": cpu["ratio_median"] <= TARGETS["scheduler_ratio"],
+        "processes": runs,
+    }
+    _add_profiles(row, runs)
+    return row
+
+
 def scheduler_section(
     *,
     pairs: int,
@@ -94,102 +191,20 @@ def scheduler_section(
     log: Callable[[str], None] = _progress,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[float]]]:
     """Rows per workload, start-up samples (patched) and patch-apply samples."""
-    samples: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {
-        (w, d): {"unpatched": [], "patched": []} for w, d, _ in configs
-    }
+    samples = _measure_pairs(pairs, quick, configs, profile, log)
     register_ms: list[dict[str, Any]] = []
     applied: dict[str, list[float]] = {}
+    # Pair order: every patched process's start-up, as it was measured.
     for pair in range(pairs):
-        for workload, dcp, repeats in configs:
-            for mode in ("unpatched", "patched"):
-                log(f"  pair {pair + 1}/{pairs}: {workload} DCP{dcp} {mode}")
-                result = run_child(
-                    [
-                        "-m",
-                        "benchmarks.scheduler",
-                        "--workload",
-                        workload,
-                        "--dcp",
-                        str(dcp),
-                        "--mode",
-                        mode,
-                        "--repeats",
-                        str(1 if quick else repeats),
-                        *(["--profile"] if profile and pair == 0 else []),
-                    ],
-                    patched=mode == "patched",
-                )
-                samples[(workload, dcp)][mode].append(result)
-                if mode == "patched":
-                    register_ms.append(result["startup"])
-                    for name, ms in result["startup"]["patches_applied_ms"].items():
-                        applied.setdefault(name, []).append(ms)
-    rows = []
-    for workload, dcp, _ in configs:
-        runs = samples[(workload, dcp)]
-        first = runs["patched"][0]
-        cpu = pair_summary(
-            [r["us_per_allocation"] for r in runs["unpatched"]],
-            [r["us_per_allocation"] for r in runs["patched"]],
-        )
-        wall = pair_summary(
-            [r["wall_us_per_allocation"] for r in runs["unpatched"]],
-            [r["wall_us_per_allocation"] for r in runs["patched"]],
-        )
-        row: dict[str, Any] = {
-            "workload": workload,
-            "profile": first["profile"],
-            "dcp": dcp,
-            "prefix_caching": first["prefix_caching"],
-            "max_model_len": first["max_model_len"],
-            "allocations": first["best"]["allocations"],
-            "scheduler_steps": first["best"]["scheduler_steps"],
-            "prefix_hit_tokens": first["best"]["prefix_hit_tokens"],
-            "scheduler_block_size": first["scheduler_block_size"],
-            "hash_block_size": first["hash_block_size"],
-            "pairs": pairs,
-            "repeats_per_process": first["repeats"],
-            "metric": "thread CPU us inside the manager per allocate_slots call",
-            "unpatched_us": cpu["unpatched_median"],
-            "patched_us": cpu["patched_median"],
-            "ratio_median": cpu["ratio_median"],
-            "ratio_min": cpu["ratio_min"],
-            "ratio_max": cpu["ratio_max"],
-            "wall": {
-                "unpatched_us": wall["unpatched_median"],
-                "patched_us": wall["patched_median"],
-                "ratio_median": wall["ratio_median"],
-                "ratio_min": wall["ratio_min"],
-                "ratio_max": wall["ratio_max"],
-            },
-            "target_ratio": TARGETS["scheduler_ratio"],
-            "within_target": cpu["ratio_median"] <= TARGETS["scheduler_ratio"],
-            "processes": runs,
-        }
-        # The first pair ran one more repeat under cProfile on each side:
-        # how much of the patched loop is this plugin's own code.
-        profiles = {
-            mode: runs[mode][0]["cprofile"]
-            for mode in ("unpatched", "patched")
-            if runs[mode][0].get("cprofile")
-        }
-        if profiles:
-            row["cprofile_first_pair"] = profiles
-            patched_profile = profiles.get("patched")
-            if patched_profile:
-                row["plugin_code_ms_in_profiled_repeat"] = patched_profile[
-                    "plugin_code_ms"
-                ]
-                row["profiled_repeat_ms"] = patched_profile["profiled_ms"]
-            if len(profiles) == 2:
-                row["same_vllm_calls"] = (
-                    profiles["patched"]["vllm_calls_digest"]
-                    == profiles["unpatched"]["vllm_calls_digest"]
-                )
-        for mode in ("unpatched", "patched"):
-            for run in runs[mode]:
-                run.pop("cprofile", None)
-        rows.append(row)
+        for workload, dcp, _ in configs:
+            startup = samples[(workload, dcp)]["patched"][pair]["startup"]
+            register_ms.append(startup)
+            for name, ms in startup["patches_applied_ms"].items():
+                applied.setdefault(name, []).append(ms)
+    rows = [
+        _scheduler_row(workload, dcp, samples[(workload, dcp)], pairs)
+        for workload, dcp, _ in configs
+    ]
     return rows, register_ms, applied
 
 
@@ -251,192 +266,6 @@ def startup_section(
 def memory_section(log: Callable[[str], None] = _progress) -> dict[str, Any]:
     log("  block-table memory and KV capacity (one patched process)")
     return run_child(["-m", "benchmarks.memory"], patched=True)
-
-
-# Results -------------------------------------------------------------------------
-
-REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
-    "scheduler": (
-        "workload",
-        "profile",
-        "dcp",
-        "unpatched_us",
-        "patched_us",
-        "ratio_median",
-        "ratio_min",
-        "ratio_max",
-    ),
-    "memory": ("profile", "contract_bytes", "minimum_bytes", "single_width_bytes"),
-    "capacity": ("profile", "budget_bytes", "configured", "replicated", "sharded"),
-}
-
-
-def validate_results(doc: dict[str, Any]) -> list[str]:
-    """Problems with a results document's shape (empty: well-formed)."""
-    problems = []
-    for key in ("date", "vllm_version", "plugin_version", "machine", "sections"):
-        if key not in doc:
-            problems.append(f"missing top-level {key!r}")
-    sections = doc.get("sections", [])
-    for section, keys in REQUIRED_KEYS.items():
-        owner = "memory" if section == "capacity" else section
-        if owner not in sections:
-            continue
-        rows = doc.get(section)
-        if not isinstance(rows, list) or not rows:
-            problems.append(f"{section}: expected a non-empty list")
-            continue
-        for i, row in enumerate(rows):
-            problems.extend(
-                f"{section}[{i}]: missing {k!r}" for k in keys if k not in row
-            )
-    if "startup" in sections:
-        startup = doc.get("startup", {})
-        problems.extend(
-            f"startup: missing {k!r}"
-            for k in ("register_ms", "import_ms")
-            if k not in startup
-        )
-    machine = doc.get("machine", {})
-    problems.extend(
-        f"machine: missing {k!r}"
-        for k in ("cpu_count", "cpu_model", "ram_bytes")
-        if k not in machine
-    )
-    return problems
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n:,}"
-
-
-def _plugin_share(row: dict[str, Any]) -> str:
-    # Share of the profiled patched repeat spent in this plugin's own code.
-    if "plugin_code_ms_in_profiled_repeat" not in row:
-        return "-"
-    share = row["plugin_code_ms_in_profiled_repeat"] / row["profiled_repeat_ms"]
-    return f"{share:.2%}"
-
-
-def _same_calls(row: dict[str, Any]) -> str:
-    if "same_vllm_calls" not in row:
-        return "-"
-    return "yes" if row["same_vllm_calls"] else "no"
-
-
-def format_table(doc: dict[str, Any]) -> str:
-    from vllm_dcp_geometry.cli.plan import render_table
-
-    out = [
-        f"vllm-dcp-geometry {doc['plugin_version']} on vLLM {doc['vllm_version']}, "
-        f"{doc['machine']['usable_cores']} cores ({doc['machine']['cpu_model']}), "
-        f"load {doc.get('load_average_start')} -> {doc.get('load_average_end')}"
-    ]
-    if doc.get("scheduler"):
-        out += [
-            "",
-            "scheduler: thread CPU us inside KVCacheManager per allocate_slots "
-            f"call, median over {doc['scheduler'][0]['pairs']} fresh-process pairs; "
-            "ratio = patched/unpatched per pair; plugin code = share of a "
-            "cProfile'd patched repeat spent in vllm_dcp_geometry code; same "
-            "vLLM calls = both sides' profiled repeats called the same vLLM "
-            "functions the same number of times",
-        ]
-        rows = []
-        for r in doc["scheduler"]:
-            label = (
-                "replay 1M tokens"
-                if r["workload"] == "replay"
-                else ("64 requests, prefix caching")
-            )
-            rows.append(
-                [
-                    label,
-                    r["profile"],
-                    str(r["dcp"]),
-                    f"{r['unpatched_us']:.1f}",
-                    f"{r['patched_us']:.1f}",
-                    f"{r['ratio_median']:.3f}",
-                    f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}",
-                    f"{r['wall']['ratio_median']:.3f}",
-                    _plugin_share(r),
-                    _same_calls(r),
-                    "yes" if r["within_target"] else "NO",
-                ]
-            )
-        out.append(
-            render_table(
-                [
-                    "workload",
-                    "profile",
-                    "DCP",
-                    "unpatched us",
-                    "patched us",
-                    "ratio",
-                    "min-max",
-                    "wall ratio",
-                    "plugin code",
-                    "same vLLM calls",
-                    f"<= {TARGETS['scheduler_ratio']}",
-                ],
-                rows,
-                right={3, 4, 5, 6, 7, 8},
-            )
-        )
-    if doc.get("startup"):
-        s = doc["startup"]
-        out += [
-            "",
-            f"startup: register() {s['register_ms']:.1f} ms (target <= "
-            f"{s['register_target_ms']:.0f}; {len(s['register_ms_samples'])} "
-            f"processes), import without vLLM {s['import_ms']:.1f} ms (target <= "
-            f"{s['import_target_ms']:.0f})",
-        ]
-    if doc.get("memory"):
-        rows = [
-            [
-                m["profile"],
-                _fmt_bytes(m["contract_bytes"]),
-                _fmt_bytes(m["minimum_bytes"]),
-                _fmt_bytes(m["single_width_bytes"]),
-                _fmt_bytes(m["vllm_0_33_bytes"]),
-            ]
-            for m in doc["memory"]
-        ]
-        out += [
-            "",
-            "block tables per rank (bytes, max_num_seqs x columns x int32):",
-            render_table(
-                ["profile", "contract", "minimum", "single width", "vLLM 0.33.0"],
-                rows,
-                right={1, 2, 3, 4},
-            ),
-        ]
-    if doc.get("capacity"):
-        first = doc["capacity"][0]
-        rows = []
-        for c in doc["capacity"]:
-            cells = [c["profile"]]
-            for scenario in ("configured", "replicated", "sharded"):
-                s = c[scenario]
-                tokens = s["tokens_per_rank"]
-                cells.append(
-                    f"{s['max_concurrent_requests']:,} / "
-                    + ("-" if tokens is None else f"{tokens / 1e6:,.1f}M")
-                )
-            rows.append(cells)
-        out += [
-            "",
-            f"KV capacity per rank, {first['budget_bytes'] / 2**30:.0f} GiB budget: "
-            f"concurrent {first['request_tokens']:,}-token requests / attention "
-            "tokens held (Mamba state K = 1 throughout)",
-            render_table(
-                ["profile", "K as configured", "all replicated", "all sharded"],
-                rows,
-                right={1, 2, 3},
-            ),
-        ]
-    return "\n".join(out)
 
 
 def default_output(quick: bool) -> Path:

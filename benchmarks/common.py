@@ -5,15 +5,14 @@ versions and pair statistics. Imports nothing from vLLM."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -23,15 +22,14 @@ class ChildError(RuntimeError):
     """A measurement process failed."""
 
 
-def _child_env(*, patched: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-    )
-    if not patched:
-        # Nothing may load the plugin through vLLM's entry point.
-        env["VLLM_PLUGINS"] = ""
+def _child_env() -> dict[str, str]:
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+        )
+    }
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        env["VLLM_LOGGING_LEVEL"] = "ERROR"
     return env
 
 
@@ -44,25 +42,22 @@ def run_child(
 ) -> Any:
     """Run ``python argv...`` in a fresh interpreter; return its last JSON line.
 
-    Unpatched children get ``VLLM_PLUGINS=""``, so nothing loads the plugin.
+    Unpatched children get ``VLLM_PLUGINS=""``, so nothing loads the plugin
+    (``vllm_dcp_geometry._fresh_process``, the one runner of fresh processes).
     """
-    env = _child_env(patched=patched)
-    env.update(extra_env or {})
-    result = subprocess.run(
-        [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    if result.returncode != 0 or not lines:
-        raise ChildError(
-            f"{' '.join(argv)} failed ({result.returncode}):\n{result.stderr[-3000:]}"
+    try:
+        return run_fresh_python(
+            argv,
+            patched=patched,
+            env={**_child_env(), **(extra_env or {})},
+            cwd=str(REPO_ROOT),
+            timeout=timeout,
+            stderr_tail=3000,
         )
-    return json.loads(lines[-1])
+    except FreshProcessError as exc:
+        raise ChildError(
+            f"{' '.join(argv)} failed ({exc.returncode}):\n{exc.stderr}"
+        ) from exc
 
 
 # Machine and versions ------------------------------------------------------------

@@ -4,17 +4,18 @@
 
 Patches are process-wide, so "unpatched vLLM" is only ever a fresh process
 that never calls ``register()``. The snippet must print one JSON document as
-its last line of standard output.
+its last line of standard output. The process itself is the library's one
+fresh-process runner (``vllm_dcp_geometry._fresh_process``); what only tests
+need, the CPU switches and registering the plugin, is prepended here.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 from typing import Any
+
+from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,27 +52,17 @@ def run_python(
     """
     prelude = (CPU_PRELUDE + (REGISTER if patched else "")) if cpu_prelude else ""
     source = prelude + textwrap.dedent(code)
-    full_env = dict(os.environ)
-    full_env["VLLM_LOGGING_LEVEL"] = "ERROR"
-    if not patched:
-        # vLLM would load the plugin through its entry point if anything called
-        # load_general_plugins(); an empty filter keeps the baseline unpatched.
-        full_env["VLLM_PLUGINS"] = ""
-    full_env.update(env or {})
-    result = subprocess.run(
-        [sys.executable, "-c", source],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=REPO_ROOT,
-        timeout=timeout,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise AssertionError(
-            f"subprocess failed ({result.returncode}):\n{result.stderr[-4000:]}"
+    try:
+        return run_fresh_python(
+            ["-c", source],
+            patched=patched,
+            env={"VLLM_LOGGING_LEVEL": "ERROR", **(env or {})},
+            cwd=REPO_ROOT,
+            timeout=timeout,
         )
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    if not lines:
-        raise AssertionError(f"subprocess printed nothing:\n{result.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    except FreshProcessError as exc:
+        if exc.returncode != 0:
+            raise AssertionError(
+                f"subprocess failed ({exc.returncode}):\n{exc.stderr}"
+            ) from exc
+        raise AssertionError(f"subprocess printed nothing:\n{exc.stderr}") from exc

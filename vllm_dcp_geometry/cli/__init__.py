@@ -6,22 +6,29 @@
 - ``plan``: per-group DCP geometry and block-table cost, against vLLM 0.33.0.
 - ``replay``: drive vLLM's real KV-cache manager through one long request with
   no model weights, checking ownership, widths and addressability each step.
+- ``simulate``: vLLM's real scheduler feeding every DCP rank's block tables,
+  checking slot mappings and local lengths of every group at every step.
 
-Exit status: 0 clean, 1 a replay found a violation, 2 bad input.
-vLLM is imported only inside the commands that need it.
+Exit status: 0 clean, 1 a replay or simulation found a violation, 2 bad input. Every bad
+input (a flag, a topology file, a layout vLLM or the contract forbids, a size
+beyond what vLLM can represent) is one line on standard error naming the
+flag, field or group and the allowed range: a command raises ``CliError`` or
+any ``DcpGeometryError`` and ``main`` reports it (``report_bad_input``).
+vLLM is imported only inside the commands that need it, with third-party
+import noise hidden unless ``--verbose``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
-import platform
 import sys
-from collections.abc import Sequence
-from datetime import datetime, timezone
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
+from vllm_dcp_geometry.cli._noise import third_party_noise_hidden
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.topology import (
     DEFAULT_PROFILE,
@@ -30,25 +37,75 @@ from vllm_dcp_geometry.topology import (
     load_topology_file,
     profile_names,
 )
+from vllm_dcp_geometry.topology.limits import (
+    MODEL_LEN_RANGE,
+    POSITIVE_INT32,
+    REPLAY_POOL_PAGES_RANGE,
+    REPLAY_TOKENS_RANGE,
+    IntRange,
+    show,
+)
 
 PROG = "vllm-dcp-geometry"
 EXIT_OK = 0
 EXIT_VIOLATION = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+VLLM_MODULES = (
+    "vllm.config",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.request",
+    "vllm.sampling_params",
+    "vllm.v1.worker.block_table",
+)
+"""The vLLM modules the commands use, imported up front with the import noise
+hidden (see ``cli._noise``)."""
 
 
 class CliError(Exception):
     """Bad input the command reports and exits 2 on."""
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage block) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see {self.prog} --help)")
+
+
+def _int_flag(allowed: IntRange) -> Callable[[str], int]:
+    """An argparse type: an integer (``1,000`` and ``1_000`` read as 1000) in
+    ``allowed``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace(",", "").replace("_", ""))
+        except ValueError:
+            value = None
+        if value is None or not allowed.low <= value <= allowed.high:
+            raise argparse.ArgumentTypeError(
+                f"must be {allowed.describe()}, got {show(text)}"
+            )
+        return value
+
+    return parse
+
+
+def _output_file(text: str) -> str:
+    """An argparse type: a file the command can create or replace."""
+    if not text:
+        raise argparse.ArgumentTypeError("needs a file name, got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{show(text)} is a directory")
+    parent = os.path.dirname(text) or "."
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(
+            f"the directory {show(parent)} of {show(text)} does not exist"
+        )
+    return text
 
 
 def _add_topology_args(parser: argparse.ArgumentParser) -> None:
@@ -62,12 +119,13 @@ def _add_topology_args(parser: argparse.ArgumentParser) -> None:
         "--topology", "-t", metavar="FILE", help="topology file (.toml or .json)"
     )
     layout = parser.add_argument_group("layout overrides")
-    layout.add_argument("--dcp", type=_positive, help="DCP world size D")
-    layout.add_argument("--tp", type=_positive, help="tensor-parallel size")
-    layout.add_argument("--max-model-len", type=_positive)
-    layout.add_argument("--max-num-seqs", type=_positive)
+    positive = _int_flag(POSITIVE_INT32)
+    layout.add_argument("--dcp", type=positive, help="DCP world size D")
+    layout.add_argument("--tp", type=positive, help="tensor-parallel size")
+    layout.add_argument("--max-model-len", type=_int_flag(MODEL_LEN_RANGE))
+    layout.add_argument("--max-num-seqs", type=positive)
     layout.add_argument(
-        "--interleave", type=_positive, help="cp_kv_cache_interleave_size I"
+        "--interleave", type=positive, help="cp_kv_cache_interleave_size I"
     )
 
 
@@ -85,12 +143,19 @@ def _load(args: argparse.Namespace) -> Topology:
     )
 
 
-def _prepare_vllm(*, patched: bool) -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if patched:
-        import vllm_dcp_geometry
+def _prepare_vllm(args: argparse.Namespace, *, patched: bool) -> None:
+    """Register the plugin (when ``patched``) and import vLLM, hiding
+    third-party import noise unless ``--verbose``."""
+    verbose = getattr(args, "verbose", False)
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    with third_party_noise_hidden(enabled=not verbose):
+        if patched:
+            import vllm_dcp_geometry
 
-        vllm_dcp_geometry.register()
+            vllm_dcp_geometry.register()
+        for name in VLLM_MODULES:
+            importlib.import_module(name)
 
 
 def versions() -> dict[str, Any]:
@@ -146,14 +211,17 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from vllm_dcp_geometry.cli import plan
+    from vllm_dcp_geometry.cli import capacity, plan
 
     topology = _load(args)
-    _prepare_vllm(patched=True)
-    document = plan.build_plan(topology)
+    _prepare_vllm(args, patched=True)
+    capacity.check_topology_capacity(topology)
+    document = plan.build_plan(topology, args.attention_backend)
     document.update(versions())
     _emit(document, args.json, plan.format_plan(document))
-    return EXIT_OK
+    refusal = plan.first_refusal(document)
+    # A group start-up would refuse: the same one-line error, exit 2.
+    return EXIT_OK if refusal is None else report_bad_input(refusal)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -168,14 +236,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     replay.check_replay_inputs(topology, tokens, step_tokens)
     unpatched = getattr(args, "unpatched_baseline", False)
-    _prepare_vllm(patched=not unpatched)
-    from vllm_dcp_geometry.cli import _vllm
+    _prepare_vllm(args, patched=not unpatched)
+    from vllm_dcp_geometry.cli import _vllm, capacity
 
     if unpatched and _vllm.is_vllm_patched():
         raise CliError(
             "the unpatched baseline found the plugin already installed in this "
             "process (is VLLM_PLUGINS set, or something calling register()?)"
         )
+    capacity.check_replay_capacity(
+        topology, tokens=tokens, step_tokens=step_tokens, num_pages=args.num_pages
+    )
     report = replay.run_replay(
         topology,
         tokens=tokens,
@@ -210,32 +281,27 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report["baseline"] = baseline
         report["divergence"] = diffs
         text += replay.format_baseline(baseline, diffs)
-    if args.receipt:
-        receipt = {
-            "receipt": "vllm-dcp-geometry replay",
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "argv": [PROG, *args.argv],
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            **report,
-        }
-        try:
-            with open(args.receipt, "w", encoding="utf-8") as fh:
-                json.dump(receipt, fh, indent=2)
-                fh.write("\n")
-        except OSError as exc:
-            raise CliError(f"cannot write receipt {args.receipt}: {exc}") from exc
+    if args.receipt is not None:
+        from vllm_dcp_geometry.cli.receipts import write_receipt
+
+        write_receipt(args.receipt, "replay", args.argv, report)
         if not args.json:
             text += f"\nreceipt written to {args.receipt}"
     _emit(report, args.json, text.lstrip("\n"))
     return EXIT_OK if report["ok"] else EXIT_VIOLATION
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from vllm_dcp_geometry.cli import simulate_command
+
+    return simulate_command.command(args)
+
+
 # Entry point -----------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Per-cache DCP KV-cache geometry for vLLM: plan and replay.",
     )
@@ -250,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-group shard count, widths and block-table bytes vs vLLM 0.33.0",
     )
     _add_topology_args(p)
+    p.add_argument(
+        "--attention-backend",
+        metavar="NAME",
+        help="vLLM attention backend for the groups of its kind (MLA or not); "
+        "default: vLLM's first choice on SM90 (FLASH_ATTN_MLA, FLASH_ATTN)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -260,22 +332,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topology_args(p)
     p.add_argument(
         "--tokens",
-        type=_positive,
+        type=_int_flag(REPLAY_TOKENS_RANGE),
         help="request length (default: the profile's, else max_model_len)",
     )
     p.add_argument(
         "--step-tokens",
-        type=_positive,
+        type=_int_flag(POSITIVE_INT32),
         help="tokens per scheduler step (default: the profile's, else the "
         "cache block size)",
     )
     p.add_argument(
         "--num-pages",
-        type=_positive,
+        type=_int_flag(REPLAY_POOL_PAGES_RANGE),
         help="pool size in pages (default: one max-length request + null page)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--receipt", metavar="FILE", help="write a JSON receipt")
+    p.add_argument(
+        "--receipt", metavar="FILE", type=_output_file, help="write a JSON receipt"
+    )
     p.add_argument(
         "--baseline",
         action="store_true",
@@ -284,36 +358,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--unpatched-baseline", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser(
+        "simulate",
+        help="vLLM's scheduler feeding every DCP rank's block tables, checked "
+        "each step, no weights",
+    )
+    _add_topology_args(p)
+    from vllm_dcp_geometry.cli import simulate_command
+
+    simulate_command.add_arguments(p, _int_flag)
+    p.add_argument(
+        "--receipt", metavar="FILE", type=_output_file, help="write a JSON receipt"
+    )
+    p.set_defaults(func=cmd_simulate)
+    _add_common_flags(parser, sub)
     return parser
+
+
+def _add_common_flags(parser: argparse.ArgumentParser, sub: Any) -> None:
+    """Flags every command takes, before or after its name."""
+    verbose = "show the third-party import output (torch, vLLM) hidden by default"
+    parser.add_argument("--verbose", "-v", action="store_true", help=verbose)
+    for command in sub.choices.values():
+        # SUPPRESS: a command that is not given the flag keeps the top level's.
+        command.add_argument(
+            "--verbose",
+            "-v",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help=verbose,
+        )
+
+
+def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    """What a command raises for input it cannot run: exit 2, one line."""
+    from vllm_dcp_geometry._patching import UpstreamChangedError
+
+    errors: tuple[type[BaseException], ...] = (
+        CliError,
+        DcpGeometryError,
+        UpstreamChangedError,
+    )
+    try:
+        from vllm_dcp_geometry.plugin import VllmVersionError
+    except Exception:  # pragma: no cover - the plugin import itself failed
+        return errors
+    return (*errors, VllmVersionError)
+
+
+def report_bad_input(error: BaseException | str) -> int:
+    """Print ``error`` as one line on standard error; the exit status for
+    bad input."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    print(f"{PROG}: error: {text}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
-        return int(exc.code or 0)
-    args.argv = argv
-    try:
+        args = build_parser().parse_args(argv)
+        args.argv = argv
         return int(args.func(args))
-    except (CliError, DcpGeometryError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except SystemExit as exc:  # argparse's --help
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away; that is not our failure.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:
-        from vllm_dcp_geometry._patching import UpstreamChangedError
-
-        try:
-            from vllm_dcp_geometry.plugin import VllmVersionError
-        except Exception:  # pragma: no cover - plugin import itself failed
-            VllmVersionError = UpstreamChangedError  # type: ignore[misc,assignment]
-        if isinstance(exc, (UpstreamChangedError, VllmVersionError)):
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        if isinstance(exc, _bad_input_errors()):
+            return report_bad_input(exc)
         raise

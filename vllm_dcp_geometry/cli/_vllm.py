@@ -112,13 +112,24 @@ class SizingConfig:
     parallel_config: Any
     cache_config: Any
     model_config: Any
+    max_in_flight_tokens: int
+    """``VllmConfig.max_in_flight_tokens``: one batch of scheduled tokens (no
+    pipeline parallelism or async scheduling here). Sliding-window and
+    chunked-local specs reserve pages for it."""
     kv_transfer_config: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def sizing_config(topology: Topology, *, enable_prefix_caching: bool = False) -> Any:
-    """Real ``ParallelConfig``/``CacheConfig`` for the topology's layout."""
-    from vllm.config import CacheConfig, ParallelConfig
+def sizing_config(
+    topology: Topology,
+    *,
+    enable_prefix_caching: bool = False,
+    max_num_batched_tokens: int | None = None,
+) -> Any:
+    """Real ``ParallelConfig``/``CacheConfig`` for the topology's layout;
+    ``max_num_batched_tokens`` (default: vLLM's scheduler default) sizes the
+    tokens in flight."""
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
 
     try:
         parallel = ParallelConfig(
@@ -135,10 +146,13 @@ def sizing_config(topology: Topology, *, enable_prefix_caching: bool = False) ->
         raise TopologyError(
             f"topology {topology.name!r}: vLLM rejects this layout: {exc}"
         ) from exc
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
     return SizingConfig(
         parallel_config=parallel,
         cache_config=cache,
         model_config=SimpleNamespace(max_model_len=topology.max_model_len),
+        max_in_flight_tokens=max_num_batched_tokens,
     )
 
 
@@ -181,3 +195,57 @@ def build_kv_cache_config(topology: Topology, specs: list[Any], num_blocks: int)
             for group, spec in zip(topology.groups, specs, strict=True)
         ],
     )
+
+
+def resolve_block_sizes(kv_cache_config: Any, config: Any) -> tuple[int, int]:
+    """vLLM's own ``(scheduler_block_size, hash_block_size)`` for the groups
+    (``resolve_kv_cache_block_sizes``, as ``EngineCore`` resolves them)."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    try:
+        return resolve_kv_cache_block_sizes(kv_cache_config, config)
+    except (ValueError, AssertionError) as exc:
+        raise TopologyError(f"vLLM cannot resolve block sizes: {exc}") from exc
+
+
+@dataclass
+class ManagerSetup:
+    """vLLM's ``KVCacheManager`` for a topology and what it was built from."""
+
+    manager: Any
+    kv_cache_config: Any
+    scheduler_block_size: int
+    hash_block_size: int
+    num_pages: int
+
+
+def build_kv_cache_manager(
+    topology: Topology,
+    specs: list[Any],
+    config: Any,
+    num_pages: int,
+    *,
+    enable_caching: bool,
+) -> ManagerSetup:
+    """vLLM's real ``KVCacheManager`` over the topology's groups with a pool
+    of ``num_pages`` pages (the null page included), block sizes resolved by
+    vLLM: what ``replay`` drives and the scheduler benchmark times."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kv_cache_config = build_kv_cache_config(topology, specs, num_pages)
+    sched_block, hash_block = resolve_block_sizes(kv_cache_config, config)
+    try:
+        manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=topology.max_model_len,
+            scheduler_block_size=sched_block,
+            hash_block_size=hash_block,
+            enable_caching=enable_caching,
+            dcp_world_size=topology.decode_context_parallel_size,
+            pcp_world_size=1,
+        )
+    except (ValueError, AssertionError) as exc:
+        raise TopologyError(
+            f"vLLM's KVCacheManager rejects this layout: {exc}"
+        ) from exc
+    return ManagerSetup(manager, kv_cache_config, sched_block, hash_block, num_pages)

@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``vllm-dcp-geometry simulate``: vLLM's real scheduler feeding all D ranks.
+
+Small hybrid topologies (a sharded, a partially sharded, a recurrent and a
+replicated group; ``tests.simulate_topologies``) on both model runners and
+both workloads. In this process vLLM's Triton kernels run under the
+interpreter, so every simulation also cross-checks its vectorized slot
+mappings against them on sampled steps, and Model Runner V2 runs its real
+``BlockTables`` (the ``v2_on_cpu`` fixture). Unpatched runs are fresh
+processes (``--baseline``).
+
+Cost: about 60 s on 2 cores (each simulation 1-8 s, each baseline ~15 s).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.simulate_topologies import group_index, hybrid, hybrid_mapping
+from vllm_dcp_geometry.cli import main
+from vllm_dcp_geometry.cli.simulate import SimulationOptions, run_simulation
+from vllm_dcp_geometry.cli.simulate_checks import KINDS
+
+JSON_KEYS = (
+    "runner",
+    "ranks",
+    "steps",
+    "scheduled_tokens",
+    "slot_writes_checked",
+    "violations",
+    "preemptions",
+    "prefix_hit_tokens",
+    "draft_tokens",
+)
+MIXED = {"requests": 32, "step_tokens": 1024, "num_pages": 1500}
+"""Chunks short enough that shared prefixes are cached at chunk ends, and a
+pool of about three max-length requests: vLLM admits a request only when its
+whole prompt fits, so it is the decode growth of the admitted ones that makes
+the scheduler preempt (at D = 1, 2 and 4 alike with this seed)."""
+
+
+LIGHT = {"requests": 12, "step_tokens": 1024}
+"""A lighter mixed workload for the in-process runs, whose sampled steps
+also run vLLM's kernels under the interpreter (at D = 4 it still preempts
+once with this seed)."""
+
+
+def _simulate(dcp: int, runner: str, workload: str, **options) -> dict:
+    extra = LIGHT if workload == "mixed" else {}
+    return run_simulation(
+        hybrid(dcp),
+        SimulationOptions(
+            runner=runner, workload=workload, progress=False, **extra, **options
+        ),
+    )
+
+
+def _clean(report: dict) -> None:
+    assert report["violations"] == dict.fromkeys(KINDS, 0), report["violation_items"]
+    assert report["ok"]
+    assert report["finished_requests"] == report["requests"]
+    assert report["slot_mapping"]["cross_checked_steps"] > 0
+    assert report["slot_writes_checked"] > 0
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("workload", ["replay", "mixed"])
+def test_patched_simulation_is_clean_at_dcp4(v2_on_cpu, runner, workload):
+    report = _simulate(4, runner, workload)
+    _clean(report)
+    assert report["ranks"] == 4
+    if runner == "v2":
+        assert report["worker_tables"] == "vLLM BlockTables per rank"
+    if workload == "replay":
+        # The prompt plus its one generated token fill the replay's tokens.
+        assert report["scheduled_tokens"] == 2048 - 1
+    else:
+        assert report["preemptions"] > 0
+        assert report["prefix_hit_tokens"] > 0
+        assert report["draft_tokens"] > 0
+        assert 0 < report["accepted_draft_tokens"] < report["draft_tokens"]
+
+
+@pytest.mark.parametrize(("dcp", "runner"), [(2, "v1"), (2, "v2"), (1, "v1")])
+def test_patched_mixed_simulation_is_clean_at_dcp1_and_2(v2_on_cpu, dcp, runner):
+    report = _simulate(dcp, runner, "mixed")
+    _clean(report)
+    assert report["ranks"] == dcp
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_shifted_shard_is_caught(v2_on_cpu, runner):
+    topology = hybrid(4)
+    broken = group_index(topology, "attn.k2")
+    report = run_simulation(
+        topology,
+        SimulationOptions(
+            runner=runner, workload="replay", progress=False, shift_shard=(broken, 3)
+        ),
+    )
+    assert not report["ok"]
+    by_group = {g["name"]: g["violations"] for g in report["groups"]}
+    # Rank 3 now writes shard 0 of replica 1 (ranks 2-3), so in replica 1 the
+    # 1,024 even positions of 0..2046 are written twice and the 1,023 odd ones
+    # by nobody; no other group is touched.
+    assert by_group["attn.k2"]["written_twice"] == 1024
+    assert by_group["attn.k2"]["unwritten"] == 1023
+    assert {g for g, v in by_group.items() if v} == {"attn.k2"}
+    assert report["first_violation"]["step"] == 1
+    if runner == "v2":
+        # V2's real tables were not shifted: the kernel cross-check disagrees.
+        assert by_group["attn.k2"]["kernel_mismatch"] > 0
+
+
+def test_cli_json_receipt_and_unpatched_baseline_on_model_runner_v1(
+    capsys, tmp_path: Path
+):
+    topology = tmp_path / "hybrid.json"
+    topology.write_text(json.dumps(hybrid_mapping(4)))
+    receipt = tmp_path / "receipt.json"
+    argv = ["simulate", "-t", str(topology), "--runner", "v1", "--json"]
+    argv += ["--no-progress", "--baseline", "--receipt", str(receipt)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in JSON_KEYS:
+        assert key in report
+    assert report["runner"] == "v1" and report["ok"]
+    assert set(report["violations"]) == set(KINDS)
+    # Unpatched Model Runner V1 gives the replicated draft group a sharded slot
+    # mapping (and the K = 2 group the D = 4 one) from the very first step.
+    baseline = report["baseline"]
+    assert baseline["mode"] == "unpatched" and not baseline["ok"]
+    first = report["comparison"]["first_break"]
+    assert (first["step"], first["position"], first["kind"]) == (1, 0, "unwritten")
+    by_group = {g["name"]: g["violations"] for g in baseline["groups"]}
+    assert by_group["draft"]["unwritten"] == 3 * (2048 - 1)
+    assert by_group["attn.k2"]["unwritten"] > 0
+    # Its attention builder's local lengths (D shards) do not add up per
+    # replica of the K = 2 geometry either.
+    assert by_group["attn.k2"]["local_lengths"] > 0
+    assert not by_group["attn.kD"] and not by_group["state"]
+    written = json.loads(receipt.read_text())
+    assert written["receipt"] == "vllm-dcp-geometry simulate"
+    assert written["argv"][1:] == argv
+    assert written["inputs"]["topology"] == hybrid(4).to_dict()
+
+
+def test_unpatched_model_runner_v2_breaks_only_the_partial_group(capsys, tmp_path):
+    topology = tmp_path / "hybrid.json"
+    topology.write_text(json.dumps(hybrid_mapping(4)))
+    argv = ["simulate", "-t", str(topology), "--runner", "v2", "--json"]
+    assert main([*argv, "--no-progress", "--baseline"]) == 0
+    baseline = json.loads(capsys.readouterr().out)["baseline"]
+    by_group = {g["name"]: g["violations"] for g in baseline["groups"]}
+    # vLLM 0.33.0's V2 tables already honour dcp_sharded=False; only the K = 2
+    # group, which it cannot express, breaks.
+    assert by_group["attn.k2"]["unwritten"] > 0
+    assert not by_group["draft"] and not by_group["attn.kD"]
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_dcp1_patched_and_unpatched_runs_are_identical(capsys, tmp_path, runner):
+    topology = tmp_path / "hybrid.json"
+    topology.write_text(json.dumps(hybrid_mapping(1)))
+    argv = ["simulate", "-t", str(topology), "--runner", runner, "--json"]
+    argv += ["--workload", "mixed", "--no-progress", "--baseline"]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in MIXED.items()]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["baseline"]["ok"]
+    assert report["comparison"]["same_scheduler_outputs"]
+    assert report["comparison"]["same_slot_mappings"]
+    assert report["scheduler_digest"] == report["baseline"]["scheduler_digest"]
+    assert report["preemptions"] > 0 and report["draft_tokens"] > 0
+
+
+def test_unpatched_run_exits_1(tmp_path):
+    from vllm_dcp_geometry._fresh_process import run_fresh_python
+
+    topology = tmp_path / "hybrid.json"
+    topology.write_text(json.dumps(hybrid_mapping(2)))
+    argv = ["-m", "vllm_dcp_geometry", "simulate", "-t", str(topology), "--json"]
+    argv += ["--no-progress", "--unpatched-baseline", "--tokens", "512"]
+    # Exit status 1, nothing else, is accepted: a violation was found.
+    report = run_fresh_python(argv, patched=False, ok_returncodes=(1,))
+    assert report["violations"]["unwritten"] == 511
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--runner", "v3"], "invalid choice: 'v3'"),
+        (["--workload", "mixed", "--tokens", "100"], "--tokens applies to"),
+        (["--requests", "4"], "--requests applies to --workload mixed only"),
+        (["--step-tokens", "100"], "multiple of B=768"),
+        (["--seed", "-1"], "--seed"),
+        (["--dcp", "3"], "must divide"),
+    ],
+)
+def test_bad_simulate_input_exits_2(capsys, args, message):
+    assert main(["simulate", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1

@@ -1,0 +1,261 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The ``simulate`` command line: flags, the unpatched baseline, the table.
+
+``--baseline`` runs the same simulation on vLLM 0.33.0 as installed, in a
+fresh interpreter that never registers the plugin, and reports the first step
+and position where it breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from vllm_dcp_geometry.cli.simulate_workloads import RUNNERS, WORKLOADS
+from vllm_dcp_geometry.topology import DEFAULT_PROFILE, Topology, TopologyError
+
+UNPATCHED_FLAG = "--unpatched-baseline"
+SIMULATE_MAX_RANK_TOKENS = 2**31
+"""Ranks times scheduled tokens times slot-mapped groups a run may check
+(about 0.3 us each): the default profile's replay checks 8 * 10**7, so a
+simulation stays within minutes."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, int_flag: Any) -> None:
+    """The flags ``simulate`` takes besides the topology ones."""
+    from vllm_dcp_geometry.topology.limits import (
+        NON_NEGATIVE_INT32,
+        POSITIVE_INT32,
+        REPLAY_POOL_PAGES_RANGE,
+        REPLAY_TOKENS_RANGE,
+    )
+
+    parser.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="v1",
+        help="the model runner the workers run (default v1)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="replay",
+        help="replay: the profile's long request (default); "
+        "mixed: many requests, prefix caching, preemption, "
+        "speculative decoding",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int_flag(REPLAY_TOKENS_RANGE),
+        help="replay length (default: the profile's, else max_model_len)",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=int_flag(POSITIVE_INT32),
+        help="the scheduler's token budget per step (max_num_batched_tokens)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int_flag(POSITIVE_INT32),
+        help="requests of the mixed workload (default 32)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int_flag(NON_NEGATIVE_INT32),
+        default=0,
+        help="seed of the mixed workload and the draft acceptance",
+    )
+    parser.add_argument(
+        "--num-pages",
+        type=int_flag(REPLAY_POOL_PAGES_RANGE),
+        help="pool size in pages (default: replay, one "
+        "max-length request + null page; mixed, small enough "
+        "to preempt)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also simulate on unpatched vLLM (fresh process)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(UNPATCHED_FLAG, action="store_true", help=argparse.SUPPRESS)
+
+
+def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
+    """Refuse, before vLLM is imported, a simulation vLLM could not schedule
+    or that would not end in minutes; the replay length."""
+    from vllm_dcp_geometry.cli.replay import check_replay_inputs
+    from vllm_dcp_geometry.cli.simulate_workloads import (
+        MIXED_MAX_PROMPT,
+        MIXED_REQUESTS,
+    )
+
+    tokens = args.tokens or topology.replay_tokens or topology.max_model_len
+    if args.workload == "replay":
+        check_replay_inputs(topology, tokens, step_tokens(topology, args))
+        if args.requests is not None:
+            raise TopologyError("--requests applies to --workload mixed only")
+        work = tokens
+    else:
+        if args.tokens is not None:
+            raise TopologyError("--tokens applies to --workload replay only")
+        work = (args.requests or MIXED_REQUESTS) * MIXED_MAX_PROMPT
+    slot_groups = sum(1 for g in topology.groups if g.is_attention)
+    checked = work * topology.decode_context_parallel_size * max(slot_groups, 1)
+    if checked > SIMULATE_MAX_RANK_TOKENS:
+        raise TopologyError(
+            f"simulating {work:,} tokens on {topology.decode_context_parallel_size} "
+            f"ranks over {slot_groups} attention groups checks {checked:,} slot "
+            f"writes, beyond SIMULATE_MAX_RANK_TOKENS={SIMULATE_MAX_RANK_TOKENS:,} "
+            "(so that a simulation ends in minutes); lower --tokens or --requests"
+        )
+    return tokens
+
+
+def step_tokens(topology: Topology, args: argparse.Namespace) -> int:
+    """The replay's tokens per step (the mixed workload picks its own)."""
+    return (
+        args.step_tokens
+        or topology.replay_step_tokens
+        or topology.scheduler_cache_block_size
+    )
+
+
+def check_capacity(topology: Topology, args: argparse.Namespace, tokens: int) -> None:
+    """What needs vLLM's specs: the pool and tables fit what vLLM represents."""
+    from vllm_dcp_geometry.cli import capacity
+
+    if args.workload == "replay":
+        capacity.check_replay_capacity(
+            topology,
+            tokens=tokens,
+            step_tokens=step_tokens(topology, args),
+            num_pages=args.num_pages,
+        )
+    else:
+        capacity.check_topology_capacity(topology)
+
+
+def run_unpatched_baseline(
+    topology: Topology, args: argparse.Namespace, tokens: int
+) -> dict[str, Any]:
+    """The same simulation on vLLM 0.33.0 as installed, in a fresh
+    interpreter that never registers the plugin."""
+    from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
+
+    with tempfile.TemporaryDirectory(prefix="vllm-dcp-geometry-") as tmp:
+        path = os.path.join(tmp, "topology.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(topology.to_dict(), fh)
+        argv = [
+            "-m",
+            "vllm_dcp_geometry",
+            "simulate",
+            "--topology",
+            path,
+            "--runner",
+            args.runner,
+            "--workload",
+            args.workload,
+            "--seed",
+            str(args.seed),
+            "--json",
+            "--no-progress",
+            UNPATCHED_FLAG,
+        ]
+        for flag, value in (
+            ("--tokens", tokens if args.workload == "replay" else None),
+            ("--step-tokens", args.step_tokens),
+            ("--requests", args.requests),
+            ("--num-pages", args.num_pages),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+        try:
+            baseline = run_fresh_python(
+                argv,
+                patched=False,
+                env={"VLLM_LOGGING_LEVEL": "ERROR"},
+                ok_returncodes=(0, 1),
+            )
+        except FreshProcessError as exc:
+            raise TopologyError(f"the unpatched baseline failed: {exc}") from exc
+    baseline["source"] = topology.source
+    return baseline
+
+
+def command(args: argparse.Namespace) -> int:
+    """``vllm-dcp-geometry simulate``."""
+    from vllm_dcp_geometry import cli
+    from vllm_dcp_geometry.cli.simulate import SimulationOptions, run_simulation
+    from vllm_dcp_geometry.cli.simulate_report import (
+        compare_runs,
+        format_baseline,
+        format_report,
+    )
+
+    topology = cli._load(args)
+    tokens = check_inputs(topology, args)
+    unpatched = getattr(args, "unpatched_baseline", False)
+    cli._prepare_vllm(args, patched=not unpatched)
+    from vllm_dcp_geometry.cli import _vllm
+
+    if unpatched and _vllm.is_vllm_patched():
+        raise cli.CliError(
+            "the unpatched baseline found the plugin already installed in this "
+            "process (is VLLM_PLUGINS set, or something calling register()?)"
+        )
+    check_capacity(topology, args, tokens)
+    options = SimulationOptions(
+        runner=args.runner,
+        workload=args.workload,
+        tokens=tokens,
+        step_tokens=args.step_tokens,
+        num_pages=args.num_pages,
+        requests=args.requests,
+        seed=args.seed,
+        progress=not args.no_progress,
+        verbose=getattr(args, "verbose", False),
+    )
+    report = run_simulation(topology, options)
+    report.update(cli.versions())
+    report["inputs"] = {
+        "profile": None if args.topology else (args.profile or DEFAULT_PROFILE),
+        "topology_file": args.topology,
+        "runner": args.runner,
+        "workload": args.workload,
+        "tokens": tokens,
+        "step_tokens": args.step_tokens,
+        "requests": args.requests,
+        "seed": args.seed,
+        "num_pages": args.num_pages,
+        "topology": topology.to_dict(),
+    }
+    text = format_report(report)
+    if args.baseline and not unpatched:
+        if not args.json:
+            print(text, flush=True)
+            text = ""
+            print(
+                "running the baseline on unpatched vLLM in a fresh process ...",
+                file=sys.stderr,
+                flush=True,
+            )
+        baseline = run_unpatched_baseline(topology, args, tokens)
+        report["baseline"] = baseline
+        report["comparison"] = compare_runs(report, baseline)
+        text += format_baseline(baseline, report["comparison"])
+    if args.receipt is not None:
+        from vllm_dcp_geometry.cli.receipts import write_receipt
+
+        write_receipt(args.receipt, "simulate", args.argv, report)
+        if not args.json:
+            text += f"\nreceipt written to {args.receipt}"
+    cli._emit(report, args.json, text.lstrip("\n"))
+    return cli.EXIT_OK if report["ok"] else cli.EXIT_VIOLATION
