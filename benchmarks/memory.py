@@ -23,10 +23,8 @@ from vllm_dcp_geometry.contract import (
     recurrent_align_block_table_width,
     virtual_block_size,
 )
+from vllm_dcp_geometry.geometry import BLOCK_TABLE_ENTRY_BYTES, runner_table_width
 from vllm_dcp_geometry.topology import Topology, load_profile, profile_names
-
-BLOCK_TABLE_ENTRY_BYTES = 4
-"""vLLM block tables hold int32 block ids."""
 
 GIB = 1 << 30
 CAPACITY_BUDGET_BYTES = 100 * GIB
@@ -63,8 +61,6 @@ def block_table_memory(topology: Topology) -> dict[str, Any]:
     """Block-table bytes per rank: the contract's layout, the exact minimum
     and a single-width layout. Raises ``MemoryCheckError`` if the contract's
     table is not the minimum up to the runner's alignment."""
-    from vllm.v1.worker.block_table import get_block_table_width
-
     from vllm_dcp_geometry.cli import _vllm, plan
 
     dcp = topology.decode_context_parallel_size
@@ -77,9 +73,7 @@ def block_table_memory(topology: Topology) -> dict[str, Any]:
         minimum = contract_width(group, topology, group.shard_count(dcp))
         width = spec.max_num_blocks_per_req(config, topology.max_model_len)
         alignment = spec.block_table_token_alignment
-        aligned = get_block_table_width(
-            width, spec.block_size, token_alignment=alignment
-        )
+        aligned = runner_table_width(spec, width)
         slack = aligned - minimum
         if width != minimum or not 0 <= slack < _block_alignment(
             spec.block_size, alignment

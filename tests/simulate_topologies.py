@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Small topologies for the ``simulate`` tests: every kind of group at once.
+"""Small topologies for the ``simulate`` tests: every kind of group at once
+(and the attention group the CLI input tests start from).
 
 ``hybrid(dcp)``: a sharded attention group (K = D), a partially sharded one
 (K = 2 where D > 2), a recurrent Mamba group in align mode with speculative
@@ -15,7 +16,9 @@ from typing import Any
 from vllm_dcp_geometry.topology import Topology, topology_from_mapping
 
 
-def _attention(name: str, layer: str, **extra: Any) -> dict[str, Any]:
+def attention_group(name: str = "g", layer: str = "l0", **extra: Any) -> dict[str, Any]:
+    """A small full-attention group of a topology file (``extra`` adds or
+    replaces fields); the CLI input tests start from it too."""
     return {
         "name": name,
         "kind": "full_attention",
@@ -29,10 +32,10 @@ def _attention(name: str, layer: str, **extra: Any) -> dict[str, Any]:
 
 
 def hybrid_mapping(dcp: int) -> dict[str, Any]:
-    groups = [_attention("attn.kD", "model.layers.0.attn")]
+    groups = [attention_group("attn.kD", "model.layers.0.attn")]
     if dcp > 2:
         groups.append(
-            _attention("attn.k2", "model.layers.1.attn", dcp_kv_shard_count=2)
+            attention_group("attn.k2", "model.layers.1.attn", dcp_kv_shard_count=2)
         )
     groups.append(
         {
@@ -45,7 +48,7 @@ def hybrid_mapping(dcp: int) -> dict[str, Any]:
             "num_speculative_blocks": 2,
         }
     )
-    groups.append(_attention("draft", "model.mtp.layers.0.attn", draft=True))
+    groups.append(attention_group("draft", "model.mtp.layers.0.attn", draft=True))
     return {
         "name": f"test-hybrid-dcp{dcp}",
         "description": "simulate test topology",

@@ -124,13 +124,21 @@ def test_mla_with_pcp_or_query_replication_refuses_k_below_d(backend: str) -> No
     assert admit(MLA, backend, 4, 4, dcp_q_replicate=True).mode is AttentionMode.DCP
 
 
-def test_attention_with_pcp_keeps_vllms_replicated_spec_only() -> None:
-    assert (
-        admit(ATTN, "FLASH_ATTN", 1, 4, default=1, pcp_world_size=2).mode
-        is AttentionMode.LOCAL
-    )
-    _refusal(admit(ATTN, "FLASH_ATTN", 1, 4, default=4, pcp_world_size=2))
-    _refusal(admit(ATTN, "FLASHINFER", 2, 4, pcp_world_size=2))
+def test_attention_with_pcp_refuses_every_k_below_d() -> None:
+    """vLLM's PCP attention spans the PCP ranks; it is only known right for
+    K = D, so even a spec vLLM itself reads with K = 1 is refused."""
+    for backend, k, default in (
+        ("FLASH_ATTN", 1, 1),
+        ("FLASH_ATTN", 1, 4),
+        ("FLASHINFER", 2, 4),
+        ("TRITON_ATTN", 1, 1),
+    ):
+        message = _refusal(
+            admit(ATTN, backend, k, 4, default=default, pcp_world_size=2)
+        )
+        assert f"{backend}, K={k}, D=4" in message and "PCP=2" in message
+    assert admit(ATTN, "FLASH_ATTN", 4, 4, pcp_world_size=2).mode is AttentionMode.DCP
+    assert admit(ATTN, "TRITON_ATTN", 1, 4, default=1).mode is AttentionMode.LOCAL
 
 
 def test_flashinfer_mla_needs_interleave_one_below_d() -> None:
@@ -166,3 +174,37 @@ def test_backend_names_and_builders() -> None:
             assert taught.builder == f"{builder.__module__}.{builder.__qualname__}"
             assert (taught.kind is MLA) == backend.is_mla()
     assert set(TAUGHT_BACKENDS) <= {m.name for m in AttentionBackendEnum}
+
+
+def test_a_group_layer_without_an_impl_is_refused_for_every_k_below_d() -> None:
+    """An impl the plugin cannot find keeps vLLM's D-rank path: for K = 1 as
+    for a partial K, binding the group refuses instead of skipping it."""
+    from types import SimpleNamespace
+
+    from vllm_dcp_geometry.attention_geometry import group_layer_impls
+    from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+
+    impl = SimpleNamespace()
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            static_forward_context={"a": SimpleNamespace(impl=impl)}
+        )
+    )
+    for k in (1, 2):
+        geometry = GroupGeometry("g", k, 4, 3)
+        assert group_layer_impls(config, ["a"], geometry) == [("a", impl)]
+        with pytest.raises(DcpGeometryError, match=r"layer b has no attention impl"):
+            group_layer_impls(config, ["a", "b"], geometry)
+
+
+def test_a_replicated_impl_under_pcp_is_not_left_on_the_dcp_path() -> None:
+    from types import SimpleNamespace
+
+    from vllm_dcp_geometry.attention_geometry import make_impl_local
+    from vllm_dcp_geometry.contract import DcpGeometryError
+
+    impl = SimpleNamespace(dcp_world_size=4, dcp_rank=3, pcp_world_size=1)
+    make_impl_local(impl)
+    assert (impl.dcp_world_size, impl.dcp_rank, impl.total_cp_world_size) == (1, 0, 1)
+    with pytest.raises(DcpGeometryError, match="PCP=2"):
+        make_impl_local(SimpleNamespace(dcp_world_size=4, dcp_rank=3, pcp_world_size=2))

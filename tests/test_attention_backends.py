@@ -206,3 +206,36 @@ print(json.dumps([probe(d, r, i, {SEQ_LENS!r})
         # Nothing to bind at D = 1; at K = D the impl keeps upstream's combine.
         assert (getattr(builder, BOUND_GEOMETRY_ATTR, None) is None) == (dcp == 1)
         assert not hasattr(layer.impl, BOUND_GEOMETRY_ATTR)
+
+
+def test_flashinfer_prefill_wrapper_is_replica_masked_or_refused() -> None:
+    """A partial group's FlashInfer prefill wrapper (vLLM's own
+    ``BatchDCPPrefillWrapper``, whose combine upstream keeps in
+    ``_dcp_combine``) gets the replica-masked combine; one without that
+    combine is refused, never run unmasked."""
+    import functools
+
+    import vllm.v1.attention.backends.flashinfer as flashinfer
+
+    from vllm_dcp_geometry.attention_geometry import ReplicaMaskedCombine
+    from vllm_dcp_geometry.contract import GroupGeometry
+
+    builder = object.__new__(flashinfer.FlashInferMetadataBuilder)
+    geometry = GroupGeometry("g", 2, 4, 3, default_shard_count=4)
+    setattr(builder, BOUND_GEOMETRY_ATTR, geometry)
+    # Its host buffers need a GPU: the wrapper as upstream's __init__ leaves it.
+    wrapper = object.__new__(flashinfer.BatchDCPPrefillWrapper)
+    upstream_combine = functools.partial(
+        flashinfer.cp_lse_ag_out_rs, is_lse_base_on_e=False
+    )
+    wrapper._dcp_combine = upstream_combine
+    builder._prefill_wrapper = wrapper
+    assert builder._get_prefill_wrapper() is wrapper
+    masked = wrapper._dcp_combine
+    assert isinstance(masked, ReplicaMaskedCombine)
+    assert (masked.combine, masked.replica) == (upstream_combine, 1)
+    assert builder._get_prefill_wrapper()._dcp_combine is masked  # idempotent
+
+    builder._prefill_wrapper = object.__new__(flashinfer.BatchDCPPrefillWrapper)
+    with pytest.raises(DcpGeometryError, match="no DCP combine"):
+        builder._get_prefill_wrapper()

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.simulate_topologies import attention_group
 from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.topology.limits import (
     INT32_MAX,
@@ -47,16 +48,7 @@ def ok(capsys: pytest.CaptureFixture, argv: list[str]) -> dict[str, Any]:
 
 
 def group(**fields: Any) -> dict[str, Any]:
-    return {
-        "name": "g",
-        "kind": "full_attention",
-        "layers": ["l0"],
-        "block_size": 16,
-        "num_kv_heads": 1,
-        "head_size": 64,
-        "dtype": "bfloat16",
-        **fields,
-    }
+    return attention_group(**fields)
 
 
 def topology_file(tmp_path: Path, *groups: dict, dcp: int = 1, **top: Any) -> str:

@@ -45,7 +45,21 @@ def _emit_everything() -> None:
     warnings.warn_explicit("our own warning", UserWarning, OURS, 1)
 
 
-def test_the_filter_drops_only_third_party_notes(capfd) -> None:
+@pytest.fixture
+def warnings_to_stderr():
+    """Python warnings printed to stderr, as in the command; pytest's own
+    warning capture would otherwise record them (plain ``pytest`` runs)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        yield
+
+
+def test_the_filter_drops_only_third_party_notes(capfd, warnings_to_stderr) -> None:
     with third_party_noise_hidden():
         _emit_everything()
     err = capfd.readouterr().err
@@ -67,9 +81,8 @@ def test_the_filter_drops_only_third_party_notes(capfd) -> None:
         assert dropped not in err
 
 
-def test_the_filter_off_lets_everything_through(capfd) -> None:
-    with third_party_noise_hidden(enabled=False), warnings.catch_warnings():
-        warnings.simplefilter("always")
+def test_the_filter_off_lets_everything_through(capfd, warnings_to_stderr) -> None:
+    with third_party_noise_hidden(enabled=False):
         _emit_everything()
     err = capfd.readouterr().err
     for line in (NOTE, INFO, ERROR, VLLM_NOTE, "a plain line", "a third-party warning"):

@@ -9,6 +9,7 @@ takes a few seconds on two cores.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -157,8 +158,31 @@ def test_bad_replay_input_exits_2(capsys, args, message):
 
 
 def test_text_output_via_python_m(tmp_path: Path):
+    """The report goes to stdout; the progress bar to stderr, and only where
+    stderr is a terminal (here a pseudo-terminal)."""
+    import fcntl
+    import struct
     import subprocess
+    import termios
+    import threading
 
+    leader, follower = os.openpty()
+    # A new pseudo-terminal is 0 columns wide, where tqdm draws nothing.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    bar: list[bytes] = []
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the child closed its end
+                return
+            if not chunk:
+                return
+            bar.append(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
     result = subprocess.run(
         [
             sys.executable,
@@ -170,12 +194,23 @@ def test_text_output_via_python_m(tmp_path: Path):
             "--tokens",
             "65536",
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=follower,
         text=True,
         check=False,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
+    os.close(follower)
+    reader.join(timeout=10)
+    os.close(leader)
+    assert result.returncode == 0, b"".join(bar)[-2000:]
     assert "violations: ownership 0" in result.stdout
     assert result.stdout.rstrip().endswith("OK")
-    # The progress bar goes to stderr, never into the report.
-    assert "tok" in result.stderr
+    assert b"tok" in b"".join(bar)
+
+
+def test_no_progress_bar_where_stderr_is_not_a_terminal(capsys):
+    args = ["replay", "-p", "mamba-hybrid-tp4-dcp4", "--tokens", "4096"]
+    assert main(args) == EXIT_OK
+    captured = capsys.readouterr()
+    assert captured.out.rstrip().endswith("OK")
+    assert "tok" not in captured.err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.simulate_topologies import attention_group
 from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.contract import TokenLayout
 from vllm_dcp_geometry.topology import (
@@ -109,15 +110,7 @@ dcp_kv_shard_count = 2
     assert group.shard_count(4) == 2
 
 
-BASE_GROUP = {
-    "name": "g",
-    "kind": "full_attention",
-    "layers": ["l0"],
-    "block_size": 16,
-    "num_kv_heads": 1,
-    "head_size": 64,
-    "dtype": "bfloat16",
-}
+BASE_GROUP = attention_group()
 
 
 @pytest.mark.parametrize(

@@ -268,34 +268,11 @@ def v2_table_args(
     kv_cache_config: Any, vllm_config: Any, max_len: int
 ) -> dict[str, Any]:
     """The per-group arguments Model Runner V2's ``initialize_kv_cache`` gives
-    ``BlockTables``, from the same spec methods it calls."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
-    from vllm.v1.worker.block_table import get_block_table_width
+    ``BlockTables``, from the same spec methods it calls (one restatement of
+    upstream's loop, shared with ``simulate``)."""
+    from vllm_dcp_geometry.cli.simulate_workers_v2 import upstream_v2_table_args
 
-    args: dict[str, list[Any]] = {
-        "block_sizes": [],
-        "max_num_blocks_per_group": [],
-        "slot_mapping_enabled": [],
-        "dcp_sharded": [],
-        "sliding_window_reach": [],
-    }
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        layer = spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-        args["block_sizes"].append(spec.block_size)
-        args["slot_mapping_enabled"].append(layer.uses_slot_mapping)
-        args["dcp_sharded"].append(spec.dcp_sharded)
-        args["sliding_window_reach"].append(
-            layer.num_retained_tokens if isinstance(layer, SlidingWindowSpec) else 0
-        )
-        args["max_num_blocks_per_group"].append(
-            get_block_table_width(
-                spec.max_num_blocks_per_req(vllm_config, max_len),
-                spec.block_size,
-                token_alignment=spec.block_table_token_alignment,
-            )
-        )
-    return args
+    return upstream_v2_table_args(kv_cache_config, vllm_config, max_len)
 
 
 def build_v2_tables(

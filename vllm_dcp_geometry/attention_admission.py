@@ -201,6 +201,15 @@ def admit_attention(
     if k == d:
         return AttentionAdmission(AttentionMode.DCP)
     head = f"{owner}: attention backend {backend}, K={k}, D={d}"
+    if pcp_world_size > 1:
+        # vLLM's PCP attention spans the PCP ranks too; nothing shows it right
+        # for a cache with fewer shards than D, so it is not run.
+        return _refusal(
+            head,
+            f"prefill context parallelism (PCP={pcp_world_size}) runs vLLM's "
+            "own context-parallel attention, which is only known right for K=D",
+            "use K=D ('sharded') or turn PCP off",
+        )
     vllm_k = vllm_shard_count(kind, d, default_shard_count)
     if backend is None or not _taught(kind, backend):
         if k == vllm_k:
@@ -211,8 +220,6 @@ def admit_attention(
         kind,
         backend,
         k,
-        follows_vllm=k == vllm_k,
-        pcp_world_size=pcp_world_size,
         interleave_size=interleave_size,
         dcp_q_replicate=dcp_q_replicate,
     )
@@ -224,20 +231,11 @@ def _admit_taught(
     backend: str,
     k: int,
     *,
-    follows_vllm: bool,
-    pcp_world_size: int,
     interleave_size: int,
     dcp_q_replicate: bool,
 ) -> AttentionAdmission:
     """K < D on a backend the plugin taught."""
     partial = k > 1
-    if pcp_world_size > 1 and not follows_vllm:
-        return _refusal(
-            head,
-            f"prefill context parallelism (PCP={pcp_world_size}) keeps vLLM's "
-            "own attention, which knows only K=D here",
-            "use K=D ('sharded') or turn PCP off",
-        )
     if kind is AttentionKind.MLA and dcp_q_replicate:
         return _refusal(
             head,

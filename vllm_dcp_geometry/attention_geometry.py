@@ -7,11 +7,12 @@ the one place on the worker that knows the group's shard count K. This module
 holds what the attention patches share: resolving the group's geometry
 (``contract.GroupGeometry``) from its spec and the DCP process group, binding
 the group's attention impls to it, the exact partial-group LSE combine
-(duplicate replicas masked to -inf), a partial group's local lengths, and the
-vLLM-facing half of the admission rule (``attention_admission``: a group's
-kind, its backend's label, its MLA query replication). The side channel that
-lets upstream builder code see the group's geometry is
-``group_context.use_group_geometry``.
+(duplicate replicas masked to -inf), a partial group's local lengths and the
+wrapper of upstream's ``build`` for it (FlashInfer and MLA), the K
+unpatched vLLM reads a cache with, and the vLLM-facing half of the admission
+rule (``attention_admission``: a group's kind, its backend's label, its MLA
+query replication). The side channel that lets upstream builder code see the
+group's geometry is ``group_context.use_group_geometry``.
 
 No vLLM import at module level; the few functions that need vLLM (resolving a
 group from its spec, finding a group's layers) import it when called.
@@ -29,6 +30,7 @@ from vllm_dcp_geometry.attention_admission import (
     AttentionKind,
     admit_attention,
     taught_backend_name,
+    vllm_shard_count,
 )
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
@@ -41,6 +43,7 @@ from vllm_dcp_geometry.geometry import (
     get_kv_cache_dcp_shard_count,
     group_name,
 )
+from vllm_dcp_geometry.group_context import use_group_geometry
 
 if TYPE_CHECKING:
     import torch
@@ -101,23 +104,22 @@ def resolve_group_geometry(
 def group_layer_impls(
     vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
 ) -> list[tuple[str, Any]]:
-    """(name, impl) of the group's attention layers.
+    """(name, impl) of the group's attention layers (a group with K < D).
 
-    A partial group whose layer cannot be found is an error: its impl would
-    keep the D-rank geometry and read a K-sharded cache wrongly.
+    A layer that cannot be found is an error: its impl would keep the D-rank
+    geometry (query all-gather and combine over D) and read the group's
+    cache wrongly.
     """
     context = vllm_config.compilation_config.static_forward_context
     found = []
     for name in layer_names:
         impl = getattr(context.get(name), "impl", None)
         if impl is None:
-            if geometry.is_partial:
-                raise DcpGeometryError(
-                    f"{geometry.describe()}: layer {name} has no attention impl "
-                    "in the forward context, so its DCP combine cannot be bound "
-                    "to the group's shard count"
-                )
-            continue
+            raise DcpGeometryError(
+                f"{geometry.describe()}: layer {name} has no attention impl in "
+                "the forward context, so it cannot be bound to the group's "
+                "shard count"
+            )
         found.append((name, impl))
     return found
 
@@ -142,10 +144,17 @@ def make_impl_local(impl: Any) -> None:
 
     ``need_to_return_lse_for_decode`` is left as is: the runner's start-up
     check reads it for every target layer, and it only matters on DCP paths.
-    Prefill context parallelism keeps upstream behaviour.
+    With prefill context parallelism the impl's context path spans the PCP
+    ranks too; the admission rule refuses K < D there, and so does this.
     """
-    if impl.dcp_world_size == 1 or impl.pcp_world_size > 1:
+    if impl.dcp_world_size == 1:
         return
+    if impl.pcp_world_size > 1:
+        raise DcpGeometryError(
+            f"an attention impl of a replicated group (K=1) runs with prefill "
+            f"context parallelism (PCP={impl.pcp_world_size}), which cannot be "
+            "made local; use K=D ('sharded') or turn PCP off"
+        )
     impl.dcp_world_size = 1
     impl.dcp_rank = 0
     impl.total_cp_world_size = 1
@@ -225,6 +234,18 @@ def attention_kind(kv_cache_spec: Any, backend: Any = None) -> AttentionKind:
     ):
         return AttentionKind.MLA
     return AttentionKind.ATTENTION
+
+
+def upstream_read_shard_count(kv_cache_spec: Any, dcp_world_size: int) -> int | None:
+    """The K unpatched vLLM 0.33.0's attention reads a group's cache with
+    (None: no attention reads it): MLA always D, other backends D or 1 from
+    ``dcp_sharded`` (``attention_admission.vllm_shard_count``)."""
+    kind = attention_kind(kv_cache_spec)
+    if kind is AttentionKind.NONE:
+        return None
+    return vllm_shard_count(
+        kind, dcp_world_size, default_shard_count(kv_cache_spec, dcp_world_size)
+    )
 
 
 def backend_label(backend_name: str, builder_cls: type) -> str:
@@ -353,10 +374,11 @@ def attach_local_seq_lens_buffer(builder: Any, vllm_config: Any, device: Any) ->
 
 
 def with_group_local_seq_lens(
-    builder: Any, common_attn_metadata: Any, geometry: GroupGeometry
+    builder: Any, common_attn_metadata: Any, geometry: GroupGeometry, **changes: Any
 ) -> Any:
     """A copy of the common metadata whose DCP local lengths are the group's,
-    held in the builder's persistent buffer (rows past the batch read 0).
+    held in the builder's persistent buffer (rows past the batch read 0), with
+    ``changes`` applied in the same copy.
 
     The runners compute one ``dcp_local_seq_lens`` per step with vLLM's
     global (D, r) for every group; a partial group's builder reads this copy.
@@ -379,4 +401,52 @@ def with_group_local_seq_lens(
         common_attn_metadata,
         dcp_local_seq_lens=buffer[:num_rows],
         dcp_local_seq_lens_cpu_upper_bound=upper_bound,
+        **changes,
     )
+
+
+def bound_partial_geometry(builder: Any) -> GroupGeometry | None:
+    """The partial group (1 < K < D) a metadata builder was bound to at
+    construction, or None (upstream's ``build`` then runs untouched)."""
+    geometry = getattr(builder, BOUND_GEOMETRY_ATTR, None)
+    if geometry is None or not geometry.is_partial:
+        return None
+    return geometry
+
+
+def make_partial_group_build(
+    original: Callable[..., Any],
+    adjust: Callable[[Any, GroupGeometry], dict[str, Any]] | None = None,
+    finish: Callable[[Any, Any], None] | None = None,
+) -> Callable[..., Any]:
+    """Wrap a metadata builder's ``build`` (FlashInfer, MLA) for partial
+    groups; upstream's own where the builder's group is not partial.
+
+    A partial group's build runs upstream's on a copy of the common metadata
+    with the group's local lengths (``with_group_local_seq_lens``) and the
+    fields ``adjust(common_attn_metadata, geometry)`` returns, with the group
+    active (``use_group_geometry``) for the module helpers upstream calls
+    inside; ``finish(metadata, common_attn_metadata)`` may then correct what
+    upstream derived from the adjusted copy.
+    """
+
+    def build(
+        self: Any,
+        common_prefix_len: int,
+        common_attn_metadata: Any,
+        fast_build: bool = False,
+    ) -> Any:
+        geometry = bound_partial_geometry(self)
+        if geometry is None:
+            return original(self, common_prefix_len, common_attn_metadata, fast_build)
+        changes = {} if adjust is None else adjust(common_attn_metadata, geometry)
+        group_metadata = with_group_local_seq_lens(
+            self, common_attn_metadata, geometry, **changes
+        )
+        with use_group_geometry(geometry):
+            metadata = original(self, common_prefix_len, group_metadata, fast_build)
+        if finish is not None:
+            finish(metadata, common_attn_metadata)
+        return metadata
+
+    return build

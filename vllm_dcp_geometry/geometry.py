@@ -128,6 +128,23 @@ def make_virtual_block_size_resolver(
 
 # Worker block tables -------------------------------------------------------------
 
+BLOCK_TABLE_ENTRY_BYTES = 4
+"""vLLM's block tables hold int32 block ids."""
+
+
+def runner_table_width(spec: Any, max_num_blocks: int) -> int:
+    """Columns of a worker's block table for ``spec``: ``max_num_blocks``
+    (``spec.max_num_blocks_per_req``) aligned by vLLM's own
+    ``get_block_table_width`` to ``spec.block_table_token_alignment``, as
+    both model runners size their tables."""
+    from vllm.v1.worker.block_table import get_block_table_width
+
+    return get_block_table_width(
+        max_num_blocks,
+        spec.block_size,
+        token_alignment=spec.block_table_token_alignment,
+    )
+
 
 @dataclass(frozen=True)
 class TableGeometry:
@@ -188,21 +205,14 @@ def table_geometry(
     mode: ``spec.uses_slot_mapping``; recurrent state never takes one, since
     its table holds state indices (Model Runner V1's own rule, kept).
     """
-    from vllm.v1.worker.block_table import get_block_table_width
-
     shard_count = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
     max_num_blocks = spec.max_num_blocks_per_req(vllm_config, max_len)
-    width = get_block_table_width(
-        max_num_blocks,
-        spec.block_size,
-        token_alignment=spec.block_table_token_alignment,
-    )
     return TableGeometry(
         owner=owner,
         block_size=spec.block_size,
         shard_count=shard_count,
         max_num_blocks_per_req=max_num_blocks,
-        width=width,
+        width=runner_table_width(spec, max_num_blocks),
         uses_slot_mapping=bool(spec.uses_slot_mapping) and not is_recurrent_state(spec),
     )
 

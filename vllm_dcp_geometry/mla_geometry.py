@@ -26,7 +26,6 @@ vLLM is imported inside the functions that need it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -212,12 +211,10 @@ def group_context_chunk_kwargs(
 # Decode of a partial group -------------------------------------------------------
 
 
-def decode_bound_metadata(common_attn_metadata: Any, geometry: GroupGeometry) -> Any:
-    """The common metadata with ``max_seq_len`` scaled so the builder's
-    D-rank bound ``ceil(L' / (D*I)) * I`` comes out as the group's
+def decode_max_seq_len(max_seq_len: int, geometry: GroupGeometry) -> int:
+    """The ``max_seq_len`` to hand the MLA builder so that its D-rank decode
+    bound ``ceil(L' / (D*I)) * I`` comes out as the group's
     ``ceil(L / (K*I)) * I``: ``L' = ceil(L / (K*I)) * D*I``."""
     i = geometry.interleave_size
-    rounds = cdiv(common_attn_metadata.max_seq_len, geometry.shard_count * i)
-    return dataclasses.replace(
-        common_attn_metadata, max_seq_len=rounds * geometry.dcp_world_size * i
-    )
+    rounds = cdiv(max_seq_len, geometry.shard_count * i)
+    return rounds * geometry.dcp_world_size * i

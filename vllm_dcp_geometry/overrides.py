@@ -49,6 +49,7 @@ from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     TokenLayout,
     check_dcp_world_size,
+    check_prefill_context_parallel,
     resolve_shard_count,
 )
 
@@ -242,17 +243,12 @@ def target_geometry(
                 "and is never token-sharded; only 'replicated' (K=1) applies"
             )
         return None
-    partial = 1 < k < dcp_world_size
     if kind is LayerKind.OTHER_ATTENTION and k > 1:
         raise DcpGeometryError(
             f"{owner}: only full attention can be token-sharded under DCP "
             f"(K={k}, D={dcp_world_size}); use 'replicated' for this layer"
         )
-    if partial and pcp_world_size > 1:
-        raise DcpGeometryError(
-            f"{owner}: a partial shard count K={k} (D={dcp_world_size}) cannot be "
-            f"combined with prefill context parallelism (PCP={pcp_world_size})"
-        )
+    check_prefill_context_parallel(owner, k, dcp_world_size, pcp_world_size)
     if dcp_world_size == 1:
         return None
     if k == 1:

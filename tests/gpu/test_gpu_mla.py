@@ -22,7 +22,6 @@ under a plain ``pytest tests`` these tests are skipped.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,19 +33,12 @@ if str(ROOT) not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.gpu import gpu_marks, run_outside_suite  # noqa: E402
+
 if TYPE_CHECKING:
     from tests.mla_harness import Shape
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device (see docstring)"
-    ),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="checks the compiled kernels; unset TRITON_INTERPRET",
-    ),
-]
+pytestmark = gpu_marks()
 
 # bfloat16 inputs and caches: the kernels' rounding, not the geometry.
 TOLERANCE = 3e-2
@@ -129,17 +121,4 @@ def test_plan_defaults_are_vllms_first_choice_on_sm90() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.pop("TRITON_INTERPRET", None)
-    sys.exit(
-        pytest.main(
-            [
-                __file__,
-                "--noconftest",
-                "-p",
-                "no:cacheprovider",
-                "-v",
-                "-rs",
-                *sys.argv[1:],
-            ]
-        )
-    )
+    sys.exit(run_outside_suite(__file__))

@@ -30,18 +30,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device (see docstring)"
-    ),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") == "1",
-        reason="checks the compiled kernels; unset TRITON_INTERPRET",
-    ),
-]
+from tests.gpu import gpu_marks, run_outside_suite  # noqa: E402
+
+pytestmark = gpu_marks()
 
 DEVICE = "cuda"
 
@@ -126,17 +118,4 @@ def test_gpu_dcp1_is_byte_identical_to_unpatched(
 
 
 if __name__ == "__main__":
-    os.environ.pop("TRITON_INTERPRET", None)
-    sys.exit(
-        pytest.main(
-            [
-                __file__,
-                "--noconftest",
-                "-p",
-                "no:cacheprovider",
-                "-v",
-                "-rs",
-                *sys.argv[1:],
-            ]
-        )
-    )
+    sys.exit(run_outside_suite(__file__))

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from vllm_dcp_geometry.cli._noise import third_party_noise_hidden
+from vllm_dcp_geometry.cli.runs import UNPATCHED_FLAG
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.topology import (
     DEFAULT_PROFILE,
@@ -211,39 +212,29 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from vllm_dcp_geometry.cli import capacity, plan
+    from vllm_dcp_geometry.cli import capacity, plan, plan_output
 
     topology = _load(args)
     _prepare_vllm(args, patched=True)
     capacity.check_topology_capacity(topology)
     document = plan.build_plan(topology, args.attention_backend)
     document.update(versions())
-    _emit(document, args.json, plan.format_plan(document))
+    _emit(document, args.json, plan_output.format_plan(document))
     refusal = plan.first_refusal(document)
     # A group start-up would refuse: the same one-line error, exit 2.
     return EXIT_OK if refusal is None else report_bad_input(refusal)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from vllm_dcp_geometry.cli import replay
+    from vllm_dcp_geometry.cli import replay, runs
 
     topology = _load(args)
-    tokens = args.tokens or topology.replay_tokens or topology.max_model_len
-    step_tokens = (
-        args.step_tokens
-        or topology.replay_step_tokens
-        or topology.scheduler_cache_block_size
-    )
+    tokens = runs.replay_tokens(topology, args.tokens)
+    step_tokens = runs.replay_step_tokens(topology, args.step_tokens)
     replay.check_replay_inputs(topology, tokens, step_tokens)
-    unpatched = getattr(args, "unpatched_baseline", False)
-    _prepare_vllm(args, patched=not unpatched)
-    from vllm_dcp_geometry.cli import _vllm, capacity
+    unpatched = runs.start_vllm(args)
+    from vllm_dcp_geometry.cli import capacity
 
-    if unpatched and _vllm.is_vllm_patched():
-        raise CliError(
-            "the unpatched baseline found the plugin already installed in this "
-            "process (is VLLM_PLUGINS set, or something calling register()?)"
-        )
     capacity.check_replay_capacity(
         topology, tokens=tokens, step_tokens=step_tokens, num_pages=args.num_pages
     )
@@ -256,8 +247,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     report.update(versions())
     report["inputs"] = {
-        "profile": None if args.topology else (args.profile or DEFAULT_PROFILE),
-        "topology_file": args.topology,
+        **runs.source_inputs(args),
         "tokens": tokens,
         "step_tokens": step_tokens,
         "num_pages": args.num_pages,
@@ -266,29 +256,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     }
     text = replay.format_replay(report)
     if args.baseline and not unpatched:
-        if not args.json:
-            print(text, flush=True)
-            text = ""
-            print(
-                "running the baseline on unpatched vLLM in a fresh process ...",
-                file=sys.stderr,
-                flush=True,
-            )
-        baseline = replay.run_unpatched_baseline(
-            topology, tokens=tokens, step_tokens=step_tokens, num_pages=args.num_pages
+        text = runs.show_before_baseline(text, args.json)
+        baseline = runs.run_unpatched(
+            "replay",
+            topology,
+            [
+                ("--tokens", tokens),
+                ("--step-tokens", step_tokens),
+                ("--num-pages", args.num_pages),
+            ],
         )
         diffs = replay.compare_replays(report, baseline)
         report["baseline"] = baseline
         report["divergence"] = diffs
         text += replay.format_baseline(baseline, diffs)
-    if args.receipt is not None:
-        from vllm_dcp_geometry.cli.receipts import write_receipt
-
-        write_receipt(args.receipt, "replay", args.argv, report)
-        if not args.json:
-            text += f"\nreceipt written to {args.receipt}"
-    _emit(report, args.json, text.lstrip("\n"))
-    return EXIT_OK if report["ok"] else EXIT_VIOLATION
+    return runs.finish(args, "replay", report, text)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -356,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also replay on unpatched vLLM (fresh process) and compare",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--unpatched-baseline", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(UNPATCHED_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser(

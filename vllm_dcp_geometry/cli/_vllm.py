@@ -120,16 +120,12 @@ class SizingConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def sizing_config(
-    topology: Topology,
-    *,
-    enable_prefix_caching: bool = False,
-    max_num_batched_tokens: int | None = None,
-) -> Any:
-    """Real ``ParallelConfig``/``CacheConfig`` for the topology's layout;
-    ``max_num_batched_tokens`` (default: vLLM's scheduler default) sizes the
-    tokens in flight."""
-    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
+def layout_configs(
+    topology: Topology, *, enable_prefix_caching: bool = False
+) -> tuple[Any, Any]:
+    """vLLM's own ``ParallelConfig`` and ``CacheConfig`` for the topology's
+    layout (so their validation applies)."""
+    from vllm.config import CacheConfig, ParallelConfig
 
     try:
         parallel = ParallelConfig(
@@ -142,10 +138,27 @@ def sizing_config(
             mamba_cache_mode=topology.mamba_cache_mode,
             enable_prefix_caching=enable_prefix_caching,
         )
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+    except (ValueError, AssertionError) as exc:  # pydantic errors are ValueErrors
         raise TopologyError(
             f"topology {topology.name!r}: vLLM rejects this layout: {exc}"
         ) from exc
+    return parallel, cache
+
+
+def sizing_config(
+    topology: Topology,
+    *,
+    enable_prefix_caching: bool = False,
+    max_num_batched_tokens: int | None = None,
+) -> Any:
+    """Real ``ParallelConfig``/``CacheConfig`` for the topology's layout;
+    ``max_num_batched_tokens`` (default: vLLM's scheduler default) sizes the
+    tokens in flight."""
+    from vllm.config import SchedulerConfig
+
+    parallel, cache = layout_configs(
+        topology, enable_prefix_caching=enable_prefix_caching
+    )
     if max_num_batched_tokens is None:
         max_num_batched_tokens = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
     return SizingConfig(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from vllm_dcp_geometry.cli import _vllm
 from vllm_dcp_geometry.contract import cdiv
+from vllm_dcp_geometry.geometry import BLOCK_TABLE_ENTRY_BYTES, runner_table_width
 from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
 from vllm_dcp_geometry.topology.limits import (
     LARGEST_DEVICE_MEMORY_BYTES,
@@ -24,9 +25,6 @@ from vllm_dcp_geometry.topology.limits import (
     REPLAY_MAX_POOL_PAGES,
     REPLAY_MAX_TOKENS,
 )
-
-BLOCK_ID_BYTES = 4
-"""vLLM block tables hold int32 block ids."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +65,6 @@ def check_cache_dtypes(topology: Topology) -> None:
 def group_sizes(topology: Topology) -> list[GroupSize]:
     """Each group's sizes from the specs of this process's vLLM (patched after
     ``register()``, else upstream's)."""
-    from vllm.v1.worker.block_table import get_block_table_width
-
     check_cache_dtypes(topology)
     patched = _vllm.is_vllm_patched()
     config = _vllm.sizing_config(topology)
@@ -81,11 +77,7 @@ def group_sizes(topology: Topology) -> list[GroupSize]:
                 group=group,
                 block_size=spec.block_size,
                 width=width,
-                aligned_width=get_block_table_width(
-                    width,
-                    spec.block_size,
-                    token_alignment=spec.block_table_token_alignment,
-                ),
+                aligned_width=runner_table_width(spec, width),
                 pages_per_request=_vllm.pages_per_request(spec, config),
                 page_size_bytes=spec.page_size_bytes,
             )
@@ -117,14 +109,13 @@ def check_topology_capacity(topology: Topology) -> list[GroupSize]:
     pages = sum(s.pages_per_request for s in sizes)
     # vLLM's pool reserves one page as the null block.
     _check_pool(sizes, pages + 1, "the KV pool for one max-length request")
-    table_bytes = (
-        topology.max_num_seqs * BLOCK_ID_BYTES * sum(s.aligned_width for s in sizes)
-    )
+    columns = sum(s.aligned_width for s in sizes)
+    table_bytes = topology.max_num_seqs * BLOCK_TABLE_ENTRY_BYTES * columns
     if table_bytes > LARGEST_DEVICE_MEMORY_BYTES:
         raise TopologyError(
             f"the block tables of one rank need {table_bytes} bytes (max_num_seqs="
-            f"{topology.max_num_seqs} x {sum(s.aligned_width for s in sizes)} "
-            f"columns x {BLOCK_ID_BYTES}), beyond LARGEST_DEVICE_MEMORY_BYTES="
+            f"{topology.max_num_seqs} x {columns} "
+            f"columns x {BLOCK_TABLE_ENTRY_BYTES}), beyond LARGEST_DEVICE_MEMORY_BYTES="
             f"{LARGEST_DEVICE_MEMORY_BYTES}; lower max_num_seqs or max_model_len"
         )
     kv_bytes = sum(s.kv_bytes_per_request for s in sizes)

@@ -15,10 +15,6 @@ replay shows where vLLM 0.33.0 diverges from the contract.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
 import time
 from typing import Any
 
@@ -32,7 +28,8 @@ from vllm_dcp_geometry.cli.replay_checks import (
     make_tracks,
 )
 from vllm_dcp_geometry.cli.replay_output import format_baseline, format_replay
-from vllm_dcp_geometry.contract import DcpGeometryError, scheduler_block_size
+from vllm_dcp_geometry.cli.runs import progress_bar
+from vllm_dcp_geometry.contract import scheduler_block_size
 from vllm_dcp_geometry.geometry import default_shard_count
 from vllm_dcp_geometry.topology import Topology, TopologyError
 
@@ -42,7 +39,6 @@ __all__ = [
     "format_baseline",
     "format_replay",
     "run_replay",
-    "run_unpatched_baseline",
 ]
 
 
@@ -176,17 +172,8 @@ def run_replay(
         topology, specs, config, pool_pages, enable_caching=False
     )
     _check_manager_geometry(setup, tracks, violations)
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=tokens,
-        unit="tok",
-        unit_scale=True,
-        desc=f"replay {'patched' if patched else 'unpatched'}",
-        file=sys.stderr,
-        # None: only where stderr is a terminal (no bar in logs and pipes).
-        disable=None if progress else True,
-        leave=False,
+    bar = progress_bar(
+        tokens, f"replay {'patched' if patched else 'unpatched'}", progress
     )
     started = time.perf_counter()
     with bar:
@@ -241,8 +228,6 @@ def _group_report(track: Track, dcp: int) -> dict[str, Any]:
 
 # Baseline -------------------------------------------------------------------------
 
-UNPATCHED_FLAG = "--unpatched-baseline"
-
 _COMPARED_GROUP_FIELDS = (
     "manager_block_size",
     "block_table_width",
@@ -261,38 +246,6 @@ _COMPARED_FIELDS = (
     "scheduler_block_size",
     "hash_block_size",
 )
-
-
-def run_unpatched_baseline(
-    topology: Topology, *, tokens: int, step_tokens: int, num_pages: int | None
-) -> dict[str, Any]:
-    """The same replay on vLLM 0.33.0 as installed, in a fresh interpreter
-    that never registers the plugin."""
-    from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
-
-    with tempfile.TemporaryDirectory(prefix="vllm-dcp-geometry-") as tmp:
-        path = os.path.join(tmp, "topology.json")
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(topology.to_dict(), fh)
-        argv = ["-m", "vllm_dcp_geometry", "replay", "--topology", path]
-        argv += ["--tokens", str(tokens), "--step-tokens", str(step_tokens)]
-        argv += ["--json", "--no-progress", UNPATCHED_FLAG]
-        if num_pages is not None:
-            argv += ["--num-pages", str(num_pages)]
-        env = {}
-        if "VLLM_LOGGING_LEVEL" not in os.environ:
-            env["VLLM_LOGGING_LEVEL"] = "ERROR"
-        try:
-            baseline = run_fresh_python(
-                argv, patched=False, env=env, ok_returncodes=(0, 1)
-            )
-        except FreshProcessError as exc:
-            what = "failed" if exc.returncode not in (0, 1) else "printed nothing"
-            raise DcpGeometryError(
-                f"the unpatched baseline replay {what}:\n{exc.stderr}"
-            ) from exc
-    baseline["source"] = topology.source
-    return baseline
 
 
 def compare_replays(patched: dict[str, Any], baseline: dict[str, Any]) -> list[dict]:

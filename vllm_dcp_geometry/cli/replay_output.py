@@ -10,7 +10,7 @@ from vllm_dcp_geometry.cli.replay_checks import CATEGORIES
 
 
 def format_replay(report: dict[str, Any]) -> str:
-    from vllm_dcp_geometry.cli.plan import render_table
+    from vllm_dcp_geometry.cli.text_table import render_table
 
     mode = report["mode"]
     version = report.get("vllm_version") or ""

@@ -22,7 +22,6 @@ simulation shows the first step and position where vLLM 0.33.0 breaks.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_dcp_geometry.cli import _vllm
+from vllm_dcp_geometry.cli.runs import progress_bar, replay_tokens
 from vllm_dcp_geometry.cli.simulate_checks import Checker, GroupInfo
 from vllm_dcp_geometry.cli.simulate_engine import (
     Engine,
@@ -116,16 +116,13 @@ def builder_shard_count(spec: Any, dcp: int, *, patched: bool) -> int:
     """The K a group's attention builder reads its cache with: the group's own
     (the patched builders run with ``(K, r % K)``), or what vLLM 0.33.0's
     attention code uses (MLA: always D; others: D if ``dcp_sharded``)."""
-    from vllm_dcp_geometry.attention_admission import vllm_shard_count
-    from vllm_dcp_geometry.attention_geometry import attention_kind
-    from vllm_dcp_geometry.geometry import (
-        default_shard_count,
-        get_kv_cache_dcp_shard_count,
-    )
+    from vllm_dcp_geometry.attention_geometry import upstream_read_shard_count
+    from vllm_dcp_geometry.geometry import get_kv_cache_dcp_shard_count
 
     if patched:
         return get_kv_cache_dcp_shard_count(spec, dcp)
-    return vllm_shard_count(attention_kind(spec), dcp, default_shard_count(spec, dcp))
+    k = upstream_read_shard_count(spec, dcp)
+    return 1 if k is None else k
 
 
 def group_infos(topology: Topology, engine: Engine, patched: bool) -> list[GroupInfo]:
@@ -318,10 +315,9 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
     upstream's.
     """
     import torch
-    from tqdm import tqdm
 
     patched = _vllm.is_vllm_patched()
-    tokens = options.tokens or topology.replay_tokens or topology.max_model_len
+    tokens = replay_tokens(topology, options.tokens)
     workload = make_workload(
         topology,
         options.workload,
@@ -359,15 +355,10 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
         checker = Checker(
             groups, engine, dcp, topology.interleave_size, topology.mamba_cache_mode
         )
-        bar = tqdm(
-            total=workload.total_tokens,
-            unit="tok",
-            unit_scale=True,
-            desc=f"simulate {options.runner} {'patched' if patched else 'unpatched'}",
-            file=sys.stderr,
-            # None: only where stderr is a terminal (no bar in logs and pipes).
-            disable=None if options.progress else True,
-            leave=False,
+        bar = progress_bar(
+            workload.total_tokens,
+            f"simulate {options.runner} {'patched' if patched else 'unpatched'}",
+            options.progress,
         )
         with bar:
             tally = run_loop(engine, workload, workers, checker, bar, options.on_step)

@@ -26,10 +26,14 @@ With the contract's K of a group (its replicas ``q = r // K``), B and
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_dcp_geometry.cli.simulate_views import (
+    GroupInfo,
+    OwnRows,
+    RankLayout,
+    Violations,
+)
 from vllm_dcp_geometry.contract import PAD_SLOT_ID, GroupGeometry
 
 if TYPE_CHECKING:
@@ -48,120 +52,7 @@ KINDS = (
     "block_sizes",
     "kernel_mismatch",
 )
-MAX_REPORTED = 50
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """One KV-cache group as the checks see it."""
-
-    index: int
-    name: str
-    kind: str
-    spec: Any
-    block_size: int
-    shard_count: int
-    """K under the contract (the topology's)."""
-    builder_shard_count: int
-    """K the attention builder uses (the spec's patched, vLLM's default not)."""
-    virtual_block_size: int
-    slot_mapped: bool
-    recurrent: bool
-    append_only: bool
-    """Its manager only ever appends to a request's row (full attention)."""
-
-
-@dataclass
-class Violations:
-    """Counts by kind and by (group, kind), the earliest violation (by step,
-    then position), and the first of each (kind, group) in detail."""
-
-    counts: Counter = field(default_factory=Counter)
-    by_group: Counter = field(default_factory=Counter)
-    items: list[dict[str, Any]] = field(default_factory=list)
-    first: dict[str, Any] | None = None
-    _seen: set[tuple[str, str | None]] = field(default_factory=set)
-
-    def add(
-        self,
-        kind: str,
-        message: str,
-        *,
-        step: int,
-        count: int = 1,
-        group: GroupInfo | None = None,
-        position: int | None = None,
-        request: str | None = None,
-        rank: int | None = None,
-    ) -> None:
-        name = group.name if group is not None else None
-        self.counts[kind] += count
-        self.by_group[(name, kind)] += count
-        item = {
-            "kind": kind,
-            "step": step,
-            "group": name,
-            "request": request,
-            "position": position,
-            "rank": rank,
-            "message": message,
-        }
-        key = (step, -1 if position is None else position)
-        if self.first is None or key < (
-            self.first["step"],
-            -1 if self.first["position"] is None else self.first["position"],
-        ):
-            self.first = item
-        if (kind, name) in self._seen or len(self.items) >= MAX_REPORTED:
-            return
-        self._seen.add((kind, name))
-        self.items.append(item)
-
-
-def _replica_ranks(replica: int, k: int) -> str:
-    first = replica * k
-    return f"rank {first}" if k == 1 else f"ranks {first}-{first + k - 1}"
-
-
-class OwnRows:
-    """The engine's blocks of each request per group, as numpy ids, read from
-    vLLM's managers incrementally where a manager only appends."""
-
-    def __init__(self, managers: list[Any], groups: list[GroupInfo], null_id: int):
-        self.managers = managers
-        self.groups = groups
-        self.null_id = null_id
-        self._cache: dict[tuple[str, int], tuple[int, int, np.ndarray]] = {}
-
-    def ids(self, req_id: str, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """(non-null block ids now, ids dropped since last asked)."""
-        import numpy as np
-
-        blocks = self.managers[group].req_to_blocks.get(req_id, [])
-        key = (req_id, group)
-        cached = self._cache.get(key)
-        empty: np.ndarray = np.zeros(0, dtype=np.int64)
-        if (
-            cached is not None
-            and self.groups[group].append_only
-            and cached[0] == id(blocks)
-            and cached[1] <= len(blocks)
-        ):
-            tail = np.fromiter(
-                (b.block_id for b in blocks[cached[1] :]), dtype=np.int64
-            )
-            ids = np.concatenate([cached[2], tail[tail != self.null_id]])
-            dropped = empty
-        else:
-            every = np.fromiter((b.block_id for b in blocks), dtype=np.int64)
-            ids = every[every != self.null_id]
-            dropped = empty if cached is None else np.setdiff1d(cached[2], ids)
-        self._cache[key] = (id(blocks), len(blocks), ids)
-        return ids, dropped
-
-    def forget(self, req_id: str) -> None:
-        for group in range(len(self.groups)):
-            self._cache.pop((req_id, group), None)
+__all__ = ["KINDS", "Checker", "GroupInfo", "Violations"]
 
 
 class Checker:
@@ -199,6 +90,15 @@ class Checker:
         self.serials: dict[str, int] = {}
         self.violations = Violations()
         self.slot_writes_checked = 0
+        self._layouts: dict[int, RankLayout] = {}
+
+    def rank_layout(self, shard_count: int) -> RankLayout:
+        """The ranks' places for ``shard_count`` (made once per K)."""
+        layout = self._layouts.get(shard_count)
+        if layout is None:
+            layout = RankLayout.of("simulate", shard_count, self.dcp)
+            self._layouts[shard_count] = layout
+        return layout
 
     def serial(self, req_id: str) -> int:
         return self.serials.setdefault(req_id, len(self.serials) + 1)
@@ -231,7 +131,8 @@ class Checker:
         import numpy as np
 
         k = group.shard_count
-        written = (slots != PAD_SLOT_ID).reshape(self.dcp // k, k, -1).sum(axis=1)
+        layout = self.rank_layout(k)
+        written = layout.sum_by_replica(slots != PAD_SLOT_ID)
         self.slot_writes_checked += int(slots.size)
         for kind, bad in (("unwritten", written == 0), ("written_twice", written > 1)):
             if not bad.any():
@@ -244,7 +145,7 @@ class Checker:
                 kind,
                 f"position {position:,} of {batch.req_ids[req]} is written by "
                 f"{int(written[replica, token])} ranks of replica {replica} "
-                f"({_replica_ranks(replica, k)}, K={k})",
+                f"({layout.describe_ranks(replica)}, K={k})",
                 step=step,
                 count=int(bad.sum()),
                 group=group,
@@ -378,9 +279,9 @@ class Checker:
                 for shard in range(builder_k)
             ]
         )
-        per_rank = per_shard[np.arange(self.dcp) % builder_k]
+        per_rank = per_shard[self.rank_layout(builder_k).shards]
         k = group.shard_count
-        sums = per_rank.reshape(self.dcp // k, k, -1).sum(axis=1)
+        sums = self.rank_layout(k).sum_by_replica(per_rank)
         bad = sums != batch.seq_lens[None, :]
         if bad.any():
             replica, i = (int(x[0]) for x in np.nonzero(bad))

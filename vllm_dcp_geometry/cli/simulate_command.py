@@ -10,16 +10,12 @@ and position where it breaks.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import tempfile
 from typing import Any
 
+from vllm_dcp_geometry.cli import runs
 from vllm_dcp_geometry.cli.simulate_workloads import RUNNERS, WORKLOADS
-from vllm_dcp_geometry.topology import DEFAULT_PROFILE, Topology, TopologyError
+from vllm_dcp_geometry.topology import Topology, TopologyError
 
-UNPATCHED_FLAG = "--unpatched-baseline"
 SIMULATE_MAX_RANK_TOKENS = 2**31
 """Ranks times scheduled tokens times slot-mapped groups a run may check
 (about 0.3 us each): the default profile's replay checks 8 * 10**7, so a
@@ -84,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser, int_flag: Any) -> None:
         help="also simulate on unpatched vLLM (fresh process)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(UNPATCHED_FLAG, action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        runs.UNPATCHED_FLAG, action="store_true", help=argparse.SUPPRESS
+    )
 
 
 def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
@@ -96,9 +94,11 @@ def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
         MIXED_REQUESTS,
     )
 
-    tokens = args.tokens or topology.replay_tokens or topology.max_model_len
+    tokens = runs.replay_tokens(topology, args.tokens)
     if args.workload == "replay":
-        check_replay_inputs(topology, tokens, step_tokens(topology, args))
+        check_replay_inputs(
+            topology, tokens, runs.replay_step_tokens(topology, args.step_tokens)
+        )
         if args.requests is not None:
             raise TopologyError("--requests applies to --workload mixed only")
         work = tokens
@@ -118,15 +118,6 @@ def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
     return tokens
 
 
-def step_tokens(topology: Topology, args: argparse.Namespace) -> int:
-    """The replay's tokens per step (the mixed workload picks its own)."""
-    return (
-        args.step_tokens
-        or topology.replay_step_tokens
-        or topology.scheduler_cache_block_size
-    )
-
-
 def check_capacity(topology: Topology, args: argparse.Namespace, tokens: int) -> None:
     """What needs vLLM's specs: the pool and tables fit what vLLM represents."""
     from vllm_dcp_geometry.cli import capacity
@@ -135,7 +126,7 @@ def check_capacity(topology: Topology, args: argparse.Namespace, tokens: int) ->
         capacity.check_replay_capacity(
             topology,
             tokens=tokens,
-            step_tokens=step_tokens(topology, args),
+            step_tokens=runs.replay_step_tokens(topology, args.step_tokens),
             num_pages=args.num_pages,
         )
     else:
@@ -147,47 +138,19 @@ def run_unpatched_baseline(
 ) -> dict[str, Any]:
     """The same simulation on vLLM 0.33.0 as installed, in a fresh
     interpreter that never registers the plugin."""
-    from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
-
-    with tempfile.TemporaryDirectory(prefix="vllm-dcp-geometry-") as tmp:
-        path = os.path.join(tmp, "topology.json")
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(topology.to_dict(), fh)
-        argv = [
-            "-m",
-            "vllm_dcp_geometry",
-            "simulate",
-            "--topology",
-            path,
-            "--runner",
-            args.runner,
-            "--workload",
-            args.workload,
-            "--seed",
-            str(args.seed),
-            "--json",
-            "--no-progress",
-            UNPATCHED_FLAG,
-        ]
-        for flag, value in (
+    return runs.run_unpatched(
+        "simulate",
+        topology,
+        [
+            ("--runner", args.runner),
+            ("--workload", args.workload),
+            ("--seed", args.seed),
             ("--tokens", tokens if args.workload == "replay" else None),
             ("--step-tokens", args.step_tokens),
             ("--requests", args.requests),
             ("--num-pages", args.num_pages),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        try:
-            baseline = run_fresh_python(
-                argv,
-                patched=False,
-                env={"VLLM_LOGGING_LEVEL": "ERROR"},
-                ok_returncodes=(0, 1),
-            )
-        except FreshProcessError as exc:
-            raise TopologyError(f"the unpatched baseline failed: {exc}") from exc
-    baseline["source"] = topology.source
-    return baseline
+        ],
+    )
 
 
 def command(args: argparse.Namespace) -> int:
@@ -202,15 +165,7 @@ def command(args: argparse.Namespace) -> int:
 
     topology = cli._load(args)
     tokens = check_inputs(topology, args)
-    unpatched = getattr(args, "unpatched_baseline", False)
-    cli._prepare_vllm(args, patched=not unpatched)
-    from vllm_dcp_geometry.cli import _vllm
-
-    if unpatched and _vllm.is_vllm_patched():
-        raise cli.CliError(
-            "the unpatched baseline found the plugin already installed in this "
-            "process (is VLLM_PLUGINS set, or something calling register()?)"
-        )
+    unpatched = runs.start_vllm(args)
     check_capacity(topology, args, tokens)
     options = SimulationOptions(
         runner=args.runner,
@@ -226,8 +181,7 @@ def command(args: argparse.Namespace) -> int:
     report = run_simulation(topology, options)
     report.update(cli.versions())
     report["inputs"] = {
-        "profile": None if args.topology else (args.profile or DEFAULT_PROFILE),
-        "topology_file": args.topology,
+        **runs.source_inputs(args),
         "runner": args.runner,
         "workload": args.workload,
         "tokens": tokens,
@@ -239,23 +193,9 @@ def command(args: argparse.Namespace) -> int:
     }
     text = format_report(report)
     if args.baseline and not unpatched:
-        if not args.json:
-            print(text, flush=True)
-            text = ""
-            print(
-                "running the baseline on unpatched vLLM in a fresh process ...",
-                file=sys.stderr,
-                flush=True,
-            )
+        text = runs.show_before_baseline(text, args.json)
         baseline = run_unpatched_baseline(topology, args, tokens)
         report["baseline"] = baseline
         report["comparison"] = compare_runs(report, baseline)
         text += format_baseline(baseline, report["comparison"])
-    if args.receipt is not None:
-        from vllm_dcp_geometry.cli.receipts import write_receipt
-
-        write_receipt(args.receipt, "simulate", args.argv, report)
-        if not args.json:
-            text += f"\nreceipt written to {args.receipt}"
-    cli._emit(report, args.json, text.lstrip("\n"))
-    return cli.EXIT_OK if report["ok"] else cli.EXIT_VIOLATION
+    return runs.finish(args, "simulate", report, text)

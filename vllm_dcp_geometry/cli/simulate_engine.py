@@ -90,16 +90,17 @@ def _write_model_config(topology: Topology, directory: str) -> None:
 def build_vllm_config(topology: Topology, workload: Workload, model_dir: str) -> Any:
     """A real ``VllmConfig`` for the topology and workload (device: CPU)."""
     from vllm.config import (
-        CacheConfig,
         DeviceConfig,
         ModelConfig,
-        ParallelConfig,
         SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
     )
 
     _write_model_config(topology, model_dir)
+    parallel, cache = _vllm.layout_configs(
+        topology, enable_prefix_caching=workload.enable_prefix_caching
+    )
     try:
         model = ModelConfig(
             model=model_dir,
@@ -118,16 +119,8 @@ def build_vllm_config(topology: Topology, workload: Workload, model_dir: str) ->
             )
         return VllmConfig(
             model_config=model,
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=topology.tensor_parallel_size,
-                decode_context_parallel_size=topology.decode_context_parallel_size,
-                cp_kv_cache_interleave_size=topology.interleave_size,
-            ),
-            cache_config=CacheConfig(
-                block_size=topology.scheduler_cache_block_size,
-                mamba_cache_mode=topology.mamba_cache_mode,
-                enable_prefix_caching=workload.enable_prefix_caching,
-            ),
+            parallel_config=parallel,
+            cache_config=cache,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=workload.max_num_seqs,
                 max_num_batched_tokens=workload.step_tokens,

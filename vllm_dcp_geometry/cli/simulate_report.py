@@ -137,7 +137,7 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    from vllm_dcp_geometry.cli.plan import render_table
+    from vllm_dcp_geometry.cli.text_table import render_table
 
     lines = _summary_lines(report)
     rows = [

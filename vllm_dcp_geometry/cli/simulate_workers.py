@@ -87,6 +87,20 @@ def scheduled_positions(scheduler_output: Any) -> dict[str, int]:
     return first
 
 
+def scheduled_batch(
+    scheduler_output: Any, order: list[str], row_of: dict[str, int]
+) -> ScheduledBatch:
+    """The step's batch: the requests in the runner's ``order``, each at its
+    row (V1) or request-state index (V2) ``row_of[req_id]``."""
+    first = scheduled_positions(scheduler_output)
+    return make_batch(
+        order,
+        [row_of[r] for r in order],
+        [first[r] for r in order],
+        [scheduler_output.num_scheduled_tokens[r] for r in order],
+    )
+
+
 @dataclass(frozen=True)
 class RowOp:
     """One write to every rank's table: ``add`` (replace the row), ``append``
@@ -321,13 +335,8 @@ class V1Workers:
                     tables.append_row(op.block_ids, op.row)
                 else:
                     tables.move_row(op.src, op.row)
-        order = self.book.batch_order()
-        first = scheduled_positions(scheduler_output)
-        return make_batch(
-            order,
-            [self.book.row_of[r] for r in order],
-            [first[r] for r in order],
-            [scheduler_output.num_scheduled_tokens[r] for r in order],
+        return scheduled_batch(
+            scheduler_output, self.book.batch_order(), self.book.row_of
         )
 
     def kernel_geometry(self, rank: int, group: int) -> KernelGeometry:

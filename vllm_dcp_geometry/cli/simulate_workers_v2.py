@@ -33,8 +33,7 @@ from vllm_dcp_geometry.cli.simulate_kernels import KernelGeometry, twin_slot_map
 from vllm_dcp_geometry.cli.simulate_workers import (
     ScheduledBatch,
     WorkerSetup,
-    make_batch,
-    scheduled_positions,
+    scheduled_batch,
 )
 
 if TYPE_CHECKING:
@@ -125,9 +124,11 @@ def upstream_v2_table_args(
     kv_cache_config: Any, vllm_config: Any, max_len: int
 ) -> dict:
     """The per-group lists ``initialize_kv_cache`` gives ``BlockTables``
-    (restated; the spec methods and ``get_block_table_width`` are vLLM's)."""
+    (restated; the spec methods and ``get_block_table_width`` are vLLM's).
+    The tests' ``BlockTables`` are built from these too."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
-    from vllm.v1.worker.block_table import get_block_table_width
+
+    from vllm_dcp_geometry.geometry import runner_table_width
 
     args: dict[str, list[Any]] = {
         "block_sizes": [],
@@ -146,31 +147,52 @@ def upstream_v2_table_args(
             layer.num_retained_tokens if isinstance(layer, SlidingWindowSpec) else 0
         )
         args["max_num_blocks_per_group"].append(
-            get_block_table_width(
-                spec.max_num_blocks_per_req(vllm_config, max_len),
-                spec.block_size,
-                token_alignment=spec.block_table_token_alignment,
-            )
+            runner_table_width(spec, spec.max_num_blocks_per_req(vllm_config, max_len))
         )
     return args
 
 
-def v2_launch_shard_counts(setup: WorkerSetup, args: dict) -> list[int]:
+def v2_launch_shard_counts(setup: WorkerSetup) -> list[int]:
     """The K each group's slot-mapping launch divides positions by: the
     patched runner's per-group counts, or upstream's ``cp_size`` for a
     sharded group and 1 for the rest."""
-    from vllm_dcp_geometry.geometry import group_shard_counts
+    from vllm_dcp_geometry.geometry import default_shard_count, group_shard_counts
 
     dcp = setup.dcp_world_size
+    groups = setup.kv_cache_config.kv_cache_groups
     if setup.patched and dcp > 1:
         parallel = setup.vllm_config.parallel_config
         return group_shard_counts(
-            setup.kv_cache_config.kv_cache_groups,
+            groups,
             dcp,
             pcp_world_size=parallel.prefill_context_parallel_size,
             interleave_size=parallel.cp_kv_cache_interleave_size,
         )
-    return [dcp if sharded else 1 for sharded in args["dcp_sharded"]]
+    return [default_shard_count(group.kv_cache_spec, dcp) for group in groups]
+
+
+def v2_kernel_geometries(
+    setup: WorkerSetup, args: dict, counts: list[int]
+) -> list[list[KernelGeometry]]:
+    """``[group][rank]``: what each rank's slot-mapping launch of each group
+    carries: the group's K and the rank's shard of it (``GroupGeometry``)."""
+    from vllm_dcp_geometry.contract import GroupGeometry
+    from vllm_dcp_geometry.geometry import group_name
+
+    dcp = setup.dcp_world_size
+    interleave = setup.vllm_config.parallel_config.cp_kv_cache_interleave_size
+    table = []
+    for index, k in enumerate(counts):
+        row = []
+        for rank in range(dcp):
+            shard = GroupGeometry(group_name(index=index), k, dcp, rank).shard
+            if setup.shift_shard == (index, rank):
+                if k == 1:
+                    raise ValueError("shifting a shard needs a group with K > 1")
+                shard = (shard + 1) % k
+            row.append(KernelGeometry(args["block_sizes"][index], k, shard, interleave))
+        table.append(row)
+    return table
 
 
 def build_v2_tables(
@@ -213,7 +235,8 @@ class V2Workers:
             setup.kv_cache_config, setup.vllm_config, setup.max_len
         )
         self.args = args
-        self.counts = v2_launch_shard_counts(setup, args)
+        self.counts = v2_launch_shard_counts(setup)
+        self.kernel_geometries = v2_kernel_geometries(setup, args, self.counts)
         self.slot_mapped = list(args["slot_mapping_enabled"])
         self.widths = list(args["max_num_blocks_per_group"])
         self.book = V2RowBook(setup.max_num_reqs)
@@ -246,24 +269,14 @@ class V2Workers:
             for write in writes:
                 tables.append_block_ids(write.index, write.block_ids, write.overwrite)
             tables.apply_staged_writes()
-        order = list(scheduler_output.num_scheduled_tokens)
-        first = scheduled_positions(scheduler_output)
-        return make_batch(
-            order,
-            [self.book.index_of[r] for r in order],
-            [first[r] for r in order],
-            [scheduler_output.num_scheduled_tokens[r] for r in order],
+        return scheduled_batch(
+            scheduler_output,
+            list(scheduler_output.num_scheduled_tokens),
+            self.book.index_of,
         )
 
     def kernel_geometry(self, rank: int, group: int) -> KernelGeometry:
-        k = self.counts[group]
-        shard = rank % k
-        if self.setup.shift_shard == (group, rank):
-            if k == 1:
-                raise ValueError("shifting a shard needs a group with K > 1")
-            shard = (shard + 1) % k
-        interleave = self.setup.vllm_config.parallel_config.cp_kv_cache_interleave_size
-        return KernelGeometry(self.args["block_sizes"][group], k, shard, interleave)
+        return self.kernel_geometries[group][rank]
 
     def rows(self, rank: int, group: int, batch: ScheduledBatch) -> np.ndarray:
         return self.store.rows[group][batch.rows]

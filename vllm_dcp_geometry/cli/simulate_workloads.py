@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_dcp_geometry.cli.runs import replay_step_tokens
 from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.topology import Topology, TopologyError
 
@@ -113,9 +114,7 @@ def make_workload(
         return Workload(
             name=name,
             requests=(plan,),
-            step_tokens=step_tokens
-            or topology.replay_step_tokens
-            or topology.scheduler_cache_block_size,
+            step_tokens=replay_step_tokens(topology, step_tokens),
             max_num_seqs=1,
             enable_prefix_caching=False,
             num_speculative_tokens=0,

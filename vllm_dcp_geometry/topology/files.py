@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import stat
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -43,19 +44,27 @@ def _refuse_constant(name: str) -> Any:
     raise TopologyError(f"{name} is not a valid JSON value")
 
 
-def _parse_json(text: str, source: str) -> Any:
+def _decode(loads: Callable[[str], Any], text: str, source: str, what: str) -> Any:
+    """``loads(text)``, every failure a ``TopologyError`` naming ``source``."""
     try:
+        return loads(text)
+    except TopologyError as exc:  # a refusal of ours, from inside ``loads``
+        raise TopologyError(f"{source}: {exc}") from exc
+    except RecursionError as exc:
+        raise TopologyError(f"{source}: {what} nested too deeply") from exc
+    except ValueError as exc:  # the decoder's own error, or an over-long number
+        raise TopologyError(f"{source}: not valid {what}: {exc}") from exc
+
+
+def _parse_json(text: str, source: str) -> Any:
+    def loads(text: str) -> Any:
         return json.loads(
             text,
             object_pairs_hook=_refuse_duplicate_keys,
             parse_constant=_refuse_constant,
         )
-    except TopologyError as exc:
-        raise TopologyError(f"{source}: {exc}") from exc
-    except RecursionError as exc:
-        raise TopologyError(f"{source}: JSON nested too deeply") from exc
-    except ValueError as exc:  # json.JSONDecodeError, or an over-long number
-        raise TopologyError(f"{source}: not valid JSON: {exc}") from exc
+
+    return _decode(loads, text, source, "JSON")
 
 
 def _parse_toml(text: str, source: str) -> Any:
@@ -69,12 +78,7 @@ def _parse_toml(text: str, source: str) -> Any:
                 f"{source}: reading TOML needs Python 3.11+ or the 'tomli' "
                 "package; use a JSON topology instead"
             ) from exc
-    try:
-        return tomllib.loads(text)
-    except RecursionError as exc:
-        raise TopologyError(f"{source}: TOML nested too deeply") from exc
-    except ValueError as exc:  # tomllib.TOMLDecodeError, or an over-long number
-        raise TopologyError(f"{source}: not valid TOML: {exc}") from exc
+    return _decode(tomllib.loads, text, source, "TOML")
 
 
 def _read_text(path: Path, source: str) -> str:

@@ -49,12 +49,13 @@ from vllm_dcp_geometry.attention_geometry import (
     admit_builder,
     attach_local_seq_lens_buffer,
     bind_group_impls,
+    bound_partial_geometry,
     group_local_seq_lens,
+    make_partial_group_build,
     mask_combine,
     resolve_group_geometry,
-    with_group_local_seq_lens,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.group_context import (
     current_group_geometry,
     use_group_geometry,
@@ -141,13 +142,6 @@ def _make_local_seq_lens(original: Callable[..., Any]) -> Callable[..., Any]:
     return get_dcp_local_seq_lens
 
 
-def _partial_geometry(builder: Any) -> GroupGeometry | None:
-    geometry = getattr(builder, BOUND_GEOMETRY_ATTR, None)
-    if geometry is None or not geometry.is_partial:
-        return None
-    return geometry
-
-
 def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(
         self: Any,
@@ -175,29 +169,22 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def _make_build(original: Callable[..., Any]) -> Callable[..., Any]:
-    def build(
-        self: Any,
-        common_prefix_len: int,
-        common_attn_metadata: Any,
-        fast_build: bool = False,
-    ) -> Any:
-        geometry = _partial_geometry(self)
-        if geometry is None:
-            return original(self, common_prefix_len, common_attn_metadata, fast_build)
-        group_metadata = with_group_local_seq_lens(self, common_attn_metadata, geometry)
-        with use_group_geometry(geometry):
-            return original(self, common_prefix_len, group_metadata, fast_build)
-
-    return build
-
-
 def _make_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def _get_prefill_wrapper(self: Any, causal: bool = True) -> Any:
         wrapper = original(self, causal)
-        geometry = _partial_geometry(self)
-        if geometry is not None and hasattr(wrapper, "_dcp_combine"):
-            wrapper._dcp_combine = mask_combine(wrapper._dcp_combine, geometry.replica)
+        geometry = bound_partial_geometry(self)
+        if geometry is None:
+            return wrapper
+        # A partial builder keeps D, so upstream hands it its DCP prefill
+        # wrapper; one without a combine to mask would count replicas twice.
+        combine = getattr(wrapper, "_dcp_combine", None)
+        if combine is None:
+            raise DcpGeometryError(
+                f"{geometry.describe()}: FlashInfer's prefill wrapper "
+                f"{type(wrapper).__name__} has no DCP combine (_dcp_combine) to "
+                "replica-mask; refusing to run the group's prefill unmasked"
+            )
+        wrapper._dcp_combine = mask_combine(combine, geometry.replica)
         return wrapper
 
     return _get_prefill_wrapper
@@ -208,5 +195,5 @@ def apply(module: ModuleType) -> None:
     wrap(module, "get_dcp_local_seq_lens", _make_local_seq_lens)
     builder = module.FlashInferMetadataBuilder
     wrap(builder, "__init__", _make_builder_init)
-    wrap(builder, "build", _make_build)
+    wrap(builder, "build", make_partial_group_build)
     wrap(builder, "_get_prefill_wrapper", _make_get_prefill_wrapper)

@@ -89,6 +89,11 @@ class SlotMappingLaunch:
     shard: int
     enabled: Any = None
     sharded: Any = None
+    block_table_ptrs: Any = None
+    """The table's per-group tensors sliced to ``[start, stop)`` once, at
+    start-up (views: the table keeps its tensors for its lifetime)."""
+    block_table_strides: Any = None
+    block_sizes: Any = None
 
 
 def plan_slot_mapping_launches(
@@ -212,6 +217,9 @@ def _configure(self: Any, counts: tuple[int, ...], arguments: dict[str, Any]) ->
                 shard=shard_of[k],
                 enabled=torch.tensor(on, dtype=torch.bool, device=self.device),
                 sharded=torch.tensor(sh, dtype=torch.bool, device=self.device),
+                block_table_ptrs=self.block_table_ptrs[start:stop],
+                block_table_strides=self.block_table_strides[start:stop],
+                block_sizes=self.block_sizes_tensor[start:stop],
             )
         )
     self._dcp_slot_launches = launches
@@ -242,9 +250,9 @@ def _make_compute_slot_mappings(
                 idx_mapping,
                 query_start_loc,
                 positions,
-                self.block_table_ptrs[a:b],
-                self.block_table_strides[a:b],
-                self.block_sizes_tensor[a:b],
+                launch.block_table_ptrs,
+                launch.block_table_strides,
+                launch.block_sizes,
                 launch.enabled,
                 launch.sharded,
                 slot_mappings[a:b],

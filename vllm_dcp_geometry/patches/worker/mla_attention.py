@@ -43,8 +43,8 @@ from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
     admit_builder,
     attach_local_seq_lens_buffer,
+    make_partial_group_build,
     resolve_group_geometry,
-    with_group_local_seq_lens,
 )
 from vllm_dcp_geometry.contract import GroupGeometry
 from vllm_dcp_geometry.group_context import (
@@ -55,7 +55,7 @@ from vllm_dcp_geometry.mla_geometry import (
     ShardWorldGroup,
     bind_mla_group,
     check_context_workspace,
-    decode_bound_metadata,
+    decode_max_seq_len,
     group_context_chunk_kwargs,
 )
 
@@ -170,34 +170,16 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def _partial_geometry(builder: Any) -> GroupGeometry | None:
-    geometry = getattr(builder, BOUND_GEOMETRY_ATTR, None)
-    if geometry is None or not geometry.is_partial:
-        return None
-    return geometry
+def _decode_bound(common_attn_metadata: Any, geometry: GroupGeometry) -> dict[str, Any]:
+    return {
+        "max_seq_len": decode_max_seq_len(common_attn_metadata.max_seq_len, geometry)
+    }
 
 
-def _make_build(original: Callable[..., Any]) -> Callable[..., Any]:
-    def build(
-        self: Any,
-        common_prefix_len: int,
-        common_attn_metadata: Any,
-        fast_build: bool = False,
-    ) -> Any:
-        geometry = _partial_geometry(self)
-        if geometry is None:
-            return original(self, common_prefix_len, common_attn_metadata, fast_build)
-        group_metadata = decode_bound_metadata(
-            with_group_local_seq_lens(self, common_attn_metadata, geometry), geometry
-        )
-        with use_group_geometry(geometry):
-            metadata = original(self, common_prefix_len, group_metadata, fast_build)
-        if not metadata.num_decodes:
-            # Without decodes upstream reports the batch's own bound.
-            metadata.max_seq_len = common_attn_metadata.max_seq_len
-        return metadata
-
-    return build
+def _batch_bound_without_decodes(metadata: Any, common_attn_metadata: Any) -> None:
+    if not metadata.num_decodes:
+        # Without decodes upstream reports the batch's own bound.
+        metadata.max_seq_len = common_attn_metadata.max_seq_len
 
 
 def apply(module: ModuleType) -> None:
@@ -205,4 +187,10 @@ def apply(module: ModuleType) -> None:
     wrap(module, "build_mla_chunked_context_metadata", _make_chunk_planner)
     builder = module.MLACommonMetadataBuilder
     wrap(builder, "__init__", _make_builder_init)
-    wrap(builder, "build", _make_build)
+    wrap(
+        builder,
+        "build",
+        make_partial_group_build,
+        _decode_bound,
+        _batch_bound_without_decodes,
+    )

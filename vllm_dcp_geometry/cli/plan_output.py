@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The text output of ``vllm-dcp-geometry plan`` (``plan.build_plan``'s
+document as a table and summary lines)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dcp_geometry.cli.plan import misread_by_upstream
+from vllm_dcp_geometry.cli.text_table import RULE, render_table
+
+
+def _fmt_int(value: int) -> str:
+    return f"{value:,}"
+
+
+def _fmt_delta(value: float) -> str:
+    if value == 0:
+        return "="
+    text = f"{value:+,.2f}" if isinstance(value, float) else f"{value:+,}"
+    return text.replace(".00", "")
+
+
+def _fmt_float(value: float) -> str:
+    return f"{value:,.2f}".replace(".00", "")
+
+
+_HEADERS = [
+    "group",
+    "kind",
+    "layers",
+    "B",
+    "K",
+    "attention",
+    "width",
+    "aligned",
+    "table B/rank",
+    "KV B/token/rank",
+    "pages/req",
+    "vs 0.33.0: K",
+    "width",
+    "table B/rank",
+]
+_LEFT_COLUMNS = {0, 1, 5}
+
+
+def _plan_head(plan: dict[str, Any]) -> str:
+    inputs = plan["inputs"]
+    return (
+        f"topology {plan['topology']}: DCP={inputs['decode_context_parallel_size']} "
+        f"TP={inputs['tensor_parallel_size']} "
+        f"interleave={inputs['cp_kv_cache_interleave_size']} "
+        f"max_model_len={inputs['max_model_len']:,} "
+        f"max_num_seqs={inputs['max_num_seqs']:,} "
+        f"mamba_cache_mode={inputs['mamba_cache_mode']}"
+    )
+
+
+def _group_row(g: dict[str, Any]) -> list[str]:
+    up, delta = g["upstream"], g["delta"]
+    return [
+        g["name"],
+        g["kind"] + (" (draft)" if g["draft"] else ""),
+        str(g["num_layers"]),
+        str(g["block_size"]),
+        str(g["shard_count"]),
+        g["attention_mode"],
+        _fmt_int(g["block_table_width"]),
+        _fmt_int(g["block_table_width_aligned"]),
+        _fmt_int(g["block_table_bytes_per_rank"]),
+        _fmt_float(g["kv_bytes_per_token_per_rank"]),
+        _fmt_int(g["pages_per_request"]),
+        str(up["shard_count"]),
+        _fmt_int(up["block_table_width"]),
+        _fmt_delta(delta["block_table_bytes_per_rank"]),
+    ]
+
+
+def _totals_row(plan: dict[str, Any]) -> list[str]:
+    totals = plan["totals"]
+    row = [""] * len(_HEADERS)
+    row[0] = "total"
+    row[2] = str(sum(g["num_layers"] for g in plan["groups"]))
+    row[8] = _fmt_int(totals["block_table_bytes_per_rank"])
+    row[9] = _fmt_float(totals["kv_bytes_per_token_per_rank"])
+    row[10] = _fmt_int(totals["pages_per_request"])
+    row[13] = _fmt_delta(totals["delta"]["block_table_bytes_per_rank"])
+    return row
+
+
+def _attention_lines(plan: dict[str, Any]) -> list[str]:
+    backends: dict[str, list[str]] = {}
+    for g in plan["groups"]:
+        if g["attention_backend"] is not None:
+            backends.setdefault(g["attention_backend"], []).append(g["name"])
+    used = "; ".join(f"{name}: {', '.join(names)}" for name, names in backends.items())
+    chosen = plan["inputs"]["attention_backend"]
+    source = "vLLM's first choice on SM90"
+    if chosen:
+        source = f"--attention-backend {chosen} for its kind, else {source}"
+    lines = [f"attention backends ({source}): {used or 'none'}"]
+    refusals = [g["attention_refusal"] for g in plan["groups"]]
+    return lines + [f"refused: {reason}" for reason in refusals if reason]
+
+
+def _totals_lines(plan: dict[str, Any]) -> list[str]:
+    totals = plan["totals"]
+    up_totals = totals["upstream"]
+    changed = [
+        g["name"] for g in plan["groups"] if any(v != 0 for v in g["delta"].values())
+    ]
+    misread = [g for g in plan["groups"] if misread_by_upstream(g)]
+    changed += [g["name"] for g in misread if g["name"] not in changed]
+    lines = []
+    if misread:
+        lines.append(
+            "unpatched vLLM 0.33.0 would read these caches with another K than it "
+            "writes them with (wrong attention, no error): "
+            + ", ".join(
+                f"{g['name']} (written K={g['upstream']['shard_count']}, read "
+                f"K={g['upstream']['attention_shard_count']})"
+                for g in misread
+            )
+        )
+    return [
+        *lines,
+        f"scheduler block size (LCM of B*K): {totals['scheduler_block_size']:,} "
+        f"(0.33.0: {up_totals['scheduler_block_size']:,})",
+        f"block tables per rank: {totals['block_table_bytes_per_rank']:,} bytes "
+        f"(0.33.0: {up_totals['block_table_bytes_per_rank']:,}; "
+        f"{_fmt_delta(totals['delta']['block_table_bytes_per_rank'])})",
+        f"KV per request per rank: {totals['kv_bytes_per_request_per_rank']:,} "
+        f"bytes in {totals['pages_per_request']:,} pages (0.33.0: "
+        f"{up_totals['kv_bytes_per_request_per_rank']:,} bytes in "
+        f"{up_totals['pages_per_request']:,} pages)",
+        "differs from 0.33.0 in: " + ", ".join(changed)
+        if changed
+        else "identical to unpatched vLLM 0.33.0 for this input",
+    ]
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    rows = [_group_row(g) for g in plan["groups"]]
+    rows += [RULE, _totals_row(plan)]
+    right = set(range(len(_HEADERS))) - _LEFT_COLUMNS
+    return "\n".join(
+        [
+            _plan_head(plan),
+            "",
+            render_table(_HEADERS, rows, right=right),
+            "",
+            "width: block-table columns (spec.max_num_blocks_per_req); aligned: after "
+            "the runner's token alignment; table B/rank: max_num_seqs x aligned x 4 "
+            "(int32). attention: how the group's attention runs (local, dcp, "
+            "dcp-partial, refused, none). vs 0.33.0: unpatched vLLM's K and width; "
+            "table B/rank as a difference (= means identical).",
+            *_attention_lines(plan),
+            *_totals_lines(plan),
+        ]
+    )
