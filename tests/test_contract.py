@@ -98,6 +98,8 @@ def test_group_geometry_kinds() -> None:
         rank_geometry(3, 1, 4).is_replicated and not rank_geometry(3, 1, 4).is_partial
     )
     assert rank_geometry(3, 2, 4).is_partial
+    assert rank_geometry(3, 2, 8).replica_count == 4
+    assert rank_geometry(3, 8, 8).replica_count == 1
     assert not rank_geometry(3, 4, 4).is_partial
     assert rank_geometry(3, 4, 4, default=4).matches_default
     assert not rank_geometry(3, 1, 4, default=4).matches_default

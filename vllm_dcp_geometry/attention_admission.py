@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from vllm_dcp_geometry.contract import DcpGeometryError, check_dcp_world_size
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 
 
 class AttentionMode(str, enum.Enum):
@@ -188,12 +188,9 @@ def admit_attention(
     replication (the layer brings D*H query heads), ``interleave_size`` the
     ``cp_kv_cache_interleave_size``.
     """
-    check_dcp_world_size(dcp_world_size)
+    # The contract's rules for D and K (rank 0 stands for any rank).
+    GroupGeometry(owner, shard_count, dcp_world_size, 0)
     d, k = dcp_world_size, shard_count
-    if k < 1 or d % k != 0:
-        raise DcpGeometryError(
-            f"{owner}: shard count K={k} must divide the DCP world size D={d}"
-        )
     if kind is AttentionKind.NONE:
         return AttentionAdmission(AttentionMode.NONE)
     if d == 1:

@@ -193,6 +193,11 @@ class GroupGeometry:
         return self.dcp_rank // self.shard_count
 
     @property
+    def replica_count(self) -> int:
+        """``D / K``: identical copies of every shard."""
+        return self.dcp_world_size // self.shard_count
+
+    @property
     def is_replicated(self) -> bool:
         """K = 1: every rank holds every position."""
         return self.shard_count == 1

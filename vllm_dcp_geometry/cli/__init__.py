@@ -312,33 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="drive vLLM's KV-cache manager through one long request, no weights",
     )
     _add_topology_args(p)
-    p.add_argument(
-        "--tokens",
-        type=_int_flag(REPLAY_TOKENS_RANGE),
-        help="request length (default: the profile's, else max_model_len)",
+    _add_run_args(
+        p,
+        tokens="request length (default: the profile's, else max_model_len)",
+        step_tokens="tokens per scheduler step (default: the profile's, else "
+        "the cache block size)",
+        num_pages="pool size in pages (default: one max-length request + null page)",
+        baseline="also replay on unpatched vLLM (fresh process) and compare",
     )
-    p.add_argument(
-        "--step-tokens",
-        type=_int_flag(POSITIVE_INT32),
-        help="tokens per scheduler step (default: the profile's, else the "
-        "cache block size)",
-    )
-    p.add_argument(
-        "--num-pages",
-        type=_int_flag(REPLAY_POOL_PAGES_RANGE),
-        help="pool size in pages (default: one max-length request + null page)",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument(
-        "--receipt", metavar="FILE", type=_output_file, help="write a JSON receipt"
-    )
-    p.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also replay on unpatched vLLM (fresh process) and compare",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(UNPATCHED_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser(
@@ -347,15 +328,45 @@ def build_parser() -> argparse.ArgumentParser:
         "each step, no weights",
     )
     _add_topology_args(p)
+    _add_run_args(
+        p,
+        tokens="replay length (default: the profile's, else max_model_len)",
+        step_tokens="the scheduler's token budget per step (max_num_batched_tokens)",
+        num_pages="pool size in pages (default: replay, one max-length request "
+        "+ null page; mixed, small enough to preempt)",
+        baseline="also simulate on unpatched vLLM (fresh process)",
+    )
     from vllm_dcp_geometry.cli import simulate_command
 
     simulate_command.add_arguments(p, _int_flag)
-    p.add_argument(
-        "--receipt", metavar="FILE", type=_output_file, help="write a JSON receipt"
-    )
     p.set_defaults(func=cmd_simulate)
     _add_common_flags(parser, sub)
     return parser
+
+
+def _add_run_args(
+    parser: argparse.ArgumentParser,
+    *,
+    tokens: str,
+    step_tokens: str,
+    num_pages: str,
+    baseline: str,
+) -> None:
+    """The flags of the commands that run vLLM (``replay``, ``simulate``)."""
+    parser.add_argument("--tokens", type=_int_flag(REPLAY_TOKENS_RANGE), help=tokens)
+    parser.add_argument(
+        "--step-tokens", type=_int_flag(POSITIVE_INT32), help=step_tokens
+    )
+    parser.add_argument(
+        "--num-pages", type=_int_flag(REPLAY_POOL_PAGES_RANGE), help=num_pages
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--receipt", metavar="FILE", type=_output_file, help="write a JSON receipt"
+    )
+    parser.add_argument("--baseline", action="store_true", help=baseline)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(UNPATCHED_FLAG, action="store_true", help=argparse.SUPPRESS)
 
 
 def _add_common_flags(parser: argparse.ArgumentParser, sub: Any) -> None:

@@ -23,13 +23,9 @@ simulation stays within minutes."""
 
 
 def add_arguments(parser: argparse.ArgumentParser, int_flag: Any) -> None:
-    """The flags ``simulate`` takes besides the topology ones."""
-    from vllm_dcp_geometry.topology.limits import (
-        NON_NEGATIVE_INT32,
-        POSITIVE_INT32,
-        REPLAY_POOL_PAGES_RANGE,
-        REPLAY_TOKENS_RANGE,
-    )
+    """The flags only ``simulate`` takes (the topology flags and those it
+    shares with ``replay`` come from ``vllm_dcp_geometry.cli``)."""
+    from vllm_dcp_geometry.topology.limits import NON_NEGATIVE_INT32, POSITIVE_INT32
 
     parser.add_argument(
         "--runner",
@@ -46,16 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser, int_flag: Any) -> None:
         "speculative decoding",
     )
     parser.add_argument(
-        "--tokens",
-        type=int_flag(REPLAY_TOKENS_RANGE),
-        help="replay length (default: the profile's, else max_model_len)",
-    )
-    parser.add_argument(
-        "--step-tokens",
-        type=int_flag(POSITIVE_INT32),
-        help="the scheduler's token budget per step (max_num_batched_tokens)",
-    )
-    parser.add_argument(
         "--requests",
         type=int_flag(POSITIVE_INT32),
         help="requests of the mixed workload (default 32)",
@@ -65,23 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser, int_flag: Any) -> None:
         type=int_flag(NON_NEGATIVE_INT32),
         default=0,
         help="seed of the mixed workload and the draft acceptance",
-    )
-    parser.add_argument(
-        "--num-pages",
-        type=int_flag(REPLAY_POOL_PAGES_RANGE),
-        help="pool size in pages (default: replay, one "
-        "max-length request + null page; mixed, small enough "
-        "to preempt)",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also simulate on unpatched vLLM (fresh process)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        runs.UNPATCHED_FLAG, action="store_true", help=argparse.SUPPRESS
     )
 
 

@@ -108,7 +108,7 @@ class RankLayout:
             for rank in range(dcp_world_size)
         ]
         replicas = np.array([g.replica for g in places], dtype=np.int64)
-        membership = np.arange(dcp_world_size // shard_count)[:, None] == replicas
+        membership = np.arange(places[0].replica_count)[:, None] == replicas
         return cls(
             shard_count,
             np.array([g.shard for g in places], dtype=np.int64),
