@@ -178,23 +178,27 @@ def test_backend_names_and_builders() -> None:
 
 def test_a_group_layer_without_an_impl_is_refused_for_every_k_below_d() -> None:
     """An impl the plugin cannot find keeps vLLM's D-rank path: for K = 1 as
-    for a partial K, binding the group refuses instead of skipping it."""
+    for a partial K, binding the group refuses instead of skipping it (a
+    layer of a generic or untaught class; a missing layer likewise)."""
     from types import SimpleNamespace
 
-    from vllm_dcp_geometry.attention_geometry import group_layer_impls
     from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+    from vllm_dcp_geometry.layer_binding import bind_group_layers
 
-    impl = SimpleNamespace()
+    impl = SimpleNamespace(dcp_world_size=4, dcp_rank=3, pcp_world_size=1)
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(
-            static_forward_context={"a": SimpleNamespace(impl=impl)}
+            static_forward_context={"a": SimpleNamespace(impl=impl), "b": object()}
         )
     )
     for k in (1, 2):
         geometry = GroupGeometry("g", k, 4, 3)
-        assert group_layer_impls(config, ["a"], geometry) == [("a", impl)]
-        with pytest.raises(DcpGeometryError, match=r"layer b has no attention impl"):
-            group_layer_impls(config, ["a", "b"], geometry)
+        with pytest.raises(
+            DcpGeometryError, match=r"layer b \(builtins.object\) has no"
+        ):
+            bind_group_layers(config, ["a", "b"], geometry, mla=False)
+        with pytest.raises(DcpGeometryError, match=r"layer c is not in the forward"):
+            bind_group_layers(config, ["c"], geometry, mla=False)
 
 
 def test_a_replicated_impl_under_pcp_is_not_left_on_the_dcp_path() -> None:

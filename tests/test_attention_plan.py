@@ -37,8 +37,16 @@ def test_default_profile_runs_every_group(capsys) -> None:
     plan, err = _plan(capsys)
     modes = _modes(plan)
     assert err == ""
-    assert modes["draft"] == ("local", "FLASH_ATTN_MLA")
+    # The DSpark draft: vLLM selects FLASHINFER_MLA for it under DCP.
+    assert modes["draft"] == ("local", "FLASHINFER_MLA")
     assert all(modes[f"mla.{i}"] == ("dcp", "FLASH_ATTN_MLA") for i in range(4))
+    classes = {g["name"]: g["layer_class"] for g in plan["groups"]}
+    assert (
+        {classes[f"mla.{i}"] for i in range(4)}
+        == {classes["draft"]}
+        == {"vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention"}
+    )
+    assert all(classes[f"kda.{i}"] is None for i in range(12))
     assert all(modes[f"kda.{i}"] == ("none", None) for i in range(12))
     assert all(g["attention_refusal"] is None for g in plan["groups"])
     assert plan["inputs"]["attention_backend"] is None
@@ -63,9 +71,13 @@ def test_partial_profile_and_the_table(capsys) -> None:
 
 @pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHMLA", "CUTLASS_MLA"])
 def test_an_mla_backend_applies_to_mla_groups_only(capsys, backend: str) -> None:
-    plan, _ = _plan(capsys, "--attention-backend", backend)
+    """The target's MLA groups run it; vLLM's selector refuses it for the
+    DSpark draft under DCP (no DSpark DCP support), and plan says so."""
+    plan, err = _plan(capsys, "--attention-backend", backend, status=EXIT_BAD_INPUT)
     modes = _modes(plan)
-    assert modes["draft"] == ("local", backend)
+    assert modes["draft"] == ("refused", backend)
+    assert "refuses non-causal multi-token MLA decode" in err
+    assert modes["mla.0"] == ("dcp", backend)
     assert modes["kda.0"] == ("none", None)
     plan, _ = _plan(
         capsys, "-p", "partial-shard-tp8-dcp8", "--attention-backend", backend
@@ -76,13 +88,15 @@ def test_an_mla_backend_applies_to_mla_groups_only(capsys, backend: str) -> None
 def test_refused_group_exits_2_with_the_start_up_message(capsys) -> None:
     """The plan's reason is, character for character, what vLLM's
     ``AttentionGroup.create_metadata_builders`` raises for that group."""
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.worker.utils import AttentionGroup
 
     from vllm_dcp_geometry.cli import _vllm
 
+    # TOKENSPEED_MLA runs the DSpark draft under DCP in vLLM, but the plugin
+    # has not taught it a K.
     plan, err = _plan(
-        capsys, "--attention-backend", "FLASHMLA_SPARSE", status=EXIT_BAD_INPUT
+        capsys, "--attention-backend", "TOKENSPEED_MLA", status=EXIT_BAD_INPUT
     )
     (refused,) = [g for g in plan["groups"] if g["attention_mode"] == "refused"]
     assert refused["name"] == "draft"
@@ -93,13 +107,53 @@ def test_refused_group_exits_2_with_the_start_up_message(capsys) -> None:
     group = topology.groups[index]
     spec = _vllm.build_spec(group, topology, patched=True)
     attention_group = AttentionGroup(
-        FlashMLASparseBackend, list(group.layers), spec, index
+        AttentionBackendEnum["TOKENSPEED_MLA"].get_class(),
+        list(group.layers),
+        spec,
+        index,
     )
     with cpu_shims(), process_groups(SimulatedGroup(None, 16, 9)):
         config = mla_model_config(model_dir(16), 16, 1)
+        # The draft's layer, of the class the profile names (admission reads
+        # only its class before refusing).
+        layer_cls = _import_class(group.layer_class)
+        context = config.compilation_config.static_forward_context
+        context[group.layers[0]] = layer_cls.__new__(layer_cls)
         with pytest.raises(DcpGeometryError) as excinfo:
             attention_group.create_metadata_builders(config, torch.device("cpu"))
     assert str(excinfo.value) == refused["attention_refusal"]
+
+
+def _import_class(path: str | None) -> type:
+    import importlib
+
+    assert path is not None
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_non_causal_dcp_backends_are_vllms() -> None:
+    """``plan``'s list of DSpark-DCP MLA backends is what vLLM's importable
+    backend classes say (FLASH_ATTN_MLA and a few others need CUDA)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_dcp_geometry.cli.plan import NON_CAUSAL_DCP_MLA_BACKENDS
+
+    checked = 0
+    for member in AttentionBackendEnum:
+        try:
+            backend = member.get_class()
+        except Exception:
+            continue
+        if not backend.is_mla():
+            continue
+        checked += 1
+        assert (member.name in NON_CAUSAL_DCP_MLA_BACKENDS) == bool(
+            getattr(
+                backend.get_builder_cls(), "supports_non_causal_multi_token_dcp", False
+            )
+        ), member.name
+    assert checked >= 3
 
 
 def test_unknown_backend_is_bad_input(capsys) -> None:

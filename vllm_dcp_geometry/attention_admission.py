@@ -3,8 +3,9 @@
 """How a KV-cache group's attention runs under DCP: the one admission rule.
 
 ``admit_attention`` decides, from a group's kind, its shard count K, the DCP
-world size D, the K vLLM 0.33.0 itself would read the cache with, the
-attention backend and the DCP modes that matter, one of:
+world size D, the K vLLM 0.33.0 itself would read the cache with, the layer
+class (``layer_classes``), the attention backend and the DCP modes that
+matter, one of:
 
 - ``local``: K = 1 (or D = 1). Every rank holds every position; attention is
   plain single-device attention: no query all-gather, no LSE combine.
@@ -12,8 +13,9 @@ attention backend and the DCP modes that matter, one of:
 - ``dcp-partial``: 1 < K < D. The backend reads the rank's shard ``r % K``
   with the group's local lengths and combines exactly (duplicate replicas
   weigh 0).
-- ``refused``: the backend cannot honour K; ``reason`` is the one-line
-  start-up error naming the group, backend, K and D.
+- ``refused``: the layer class or the backend cannot honour K; ``reason`` is
+  the one-line start-up error naming the group, layer, layer class, backend,
+  K and D.
 - ``none``: the group has no attention (recurrent state).
 
 The runtime (the ``AttentionGroup.create_metadata_builders`` patch and the
@@ -27,6 +29,12 @@ import enum
 from dataclasses import dataclass
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.layer_classes import (
+    GENERIC_LAYERS,
+    SPECIALIZED_DECODE_LAYERS,
+    TAUGHT_LAYERS,
+    taught_layer,
+)
 
 
 class AttentionMode(str, enum.Enum):
@@ -101,6 +109,26 @@ def taught_backend_name(builder_path: str) -> str | None:
     return None
 
 
+LOCAL_ONLY_BUILDERS: dict[str, AttentionKind] = {
+    # Dots3 NOTE's sliding-window MLA builder (a TritonMLAMetadataBuilder)
+    # raises for prefills whenever its own DCP world is > 1; built in the
+    # world (1, 0) of a replicated group it is TRITON_MLA's DCP1 builder.
+    "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder": (
+        AttentionKind.MLA
+    ),
+}
+"""Builder classes (subclasses of a taught builder) taught K = 1 only, by
+``module.qualname``; a backend label may name one in parentheses."""
+
+
+def local_only_builder(backend: str) -> str | None:
+    """The local-only builder ``backend`` (a label) names, if any."""
+    for path in LOCAL_ONLY_BUILDERS:
+        if backend == path or backend.endswith(f"({path})"):
+            return path
+    return None
+
+
 INTERLEAVE_ONE_ONLY_BACKENDS = frozenset({"FLASHINFER_MLA"})
 """Backends whose builder refuses ``cp_kv_cache_interleave_size != 1``
 whenever DCP is on (it reads the parallel config, not the group)."""
@@ -141,9 +169,12 @@ def is_mla_backend_name(backend: str) -> bool:
     return "MLA" in backend
 
 
-def _taught(kind: AttentionKind, backend: str) -> bool:
+def _taught(kind: AttentionKind, backend: str, k: int) -> bool:
     taught = TAUGHT_BACKENDS.get(backend)
-    return taught is not None and taught.kind is kind
+    if taught is not None:
+        return taught.kind is kind
+    local_only = local_only_builder(backend)
+    return local_only is not None and LOCAL_ONLY_BUILDERS[local_only] is kind and k == 1
 
 
 def _refusal(head: str, why: str, remedy: str) -> AttentionAdmission:
@@ -160,11 +191,46 @@ def _untaught(
 ) -> AttentionAdmission:
     sparse = "SPARSE" in backend or "INDEXER" in backend
     what = "sparse MLA and its indexer are" if sparse else f"{backend} is"
+    if local_only_builder(backend) is not None:
+        what = f"{backend} is taught K=1 only and"
     return _refusal(
         head,
         f"{what} not taught per-group DCP shard counts and would read this "
         f"cache with vLLM's own K={vllm_k}",
         _remedy(kind),
+    )
+
+
+def _untaught_layer(
+    head: str, kind: AttentionKind, layer_class: str, k: int, vllm_k: int
+) -> AttentionAdmission:
+    taught = TAUGHT_LAYERS.get(layer_class)
+    if taught is not None and taught.mla == (kind is AttentionKind.MLA):
+        why = f"its layer class runs only K=1 here: {taught.why_not_partial}"
+        remedy = "use K=1 ('replicated') or K=D ('sharded') for this layer"
+    else:
+        why = (
+            "its layer class is not taught per-group DCP shard counts; its own "
+            f"code reads this cache with vLLM's K={vllm_k}"
+        )
+        remedy = f"use K={vllm_k} for this layer"
+    return _refusal(head, why, remedy)
+
+
+def describe_layer(layer_name: str | None, layer_class: str | None, mla: bool) -> str:
+    """``layer NAME (CLASS)`` as the start-up errors name a group's layer."""
+    path = GENERIC_LAYERS[mla] if layer_class is None else layer_class
+    return f"layer {layer_name or '(any)'} ({path})"
+
+
+def impl_world_refusal(head: str, impl_dcp_world_size: int) -> AttentionAdmission:
+    """A sharded cache read by an impl vLLM built for fewer DCP ranks (the
+    dense DFlash/DSpark drafts of Model Runner V2 run at DCP 1)."""
+    return _refusal(
+        head,
+        f"its attention impl was built for a DCP world of {impl_dcp_world_size} "
+        "and would read a cache sharded over D as if it held every position",
+        "leave this layer replicated (K=1), as vLLM builds it",
     )
 
 
@@ -179,6 +245,10 @@ def admit_attention(
     pcp_world_size: int = 1,
     interleave_size: int = 1,
     dcp_q_replicate: bool = False,
+    layer_class: str | None = None,
+    layer_name: str | None = None,
+    impl_dcp_world_size: int | None = None,
+    specialized_decode: bool = False,
 ) -> AttentionAdmission:
     """How ``owner``'s attention runs (see the module docstring).
 
@@ -186,7 +256,12 @@ def admit_attention(
     ``dcp_sharded`` (D or 1); ``backend`` is vLLM's backend name
     (``AttentionBackend.get_name()``). ``dcp_q_replicate`` is MLA's DCP query
     replication (the layer brings D*H query heads), ``interleave_size`` the
-    ``cp_kv_cache_interleave_size``.
+    ``cp_kv_cache_interleave_size``. ``layer_class`` is the ``module.qualname``
+    of the class that reads the cache (None: vLLM's generic layer for the
+    kind), ``layer_name`` one of its layers, ``impl_dcp_world_size`` the DCP
+    world its attention impl was built for (None: D, as vLLM builds target
+    layers), ``specialized_decode`` whether Kimi-K3's specialized decode is
+    on.
     """
     # The contract's rules for D and K (rank 0 stands for any rank).
     GroupGeometry(owner, shard_count, dcp_world_size, 0)
@@ -195,9 +270,15 @@ def admit_attention(
         return AttentionAdmission(AttentionMode.NONE)
     if d == 1:
         return AttentionAdmission(AttentionMode.LOCAL)
+    mla = kind is AttentionKind.MLA
+    head = (
+        f"{owner}: {describe_layer(layer_name, layer_class, mla)}, "
+        f"attention backend {backend}, K={k}, D={d}"
+    )
     if k == d:
+        if impl_dcp_world_size is not None and impl_dcp_world_size != d:
+            return impl_world_refusal(head, impl_dcp_world_size)
         return AttentionAdmission(AttentionMode.DCP)
-    head = f"{owner}: attention backend {backend}, K={k}, D={d}"
     if pcp_world_size > 1:
         # vLLM's PCP attention spans the PCP ranks too; nothing shows it right
         # for a cache with fewer shards than D, so it is not run.
@@ -208,10 +289,22 @@ def admit_attention(
             "use K=D ('sharded') or turn PCP off",
         )
     vllm_k = vllm_shard_count(kind, d, default_shard_count)
-    if backend is None or not _taught(kind, backend):
-        if k == vllm_k:
-            return AttentionAdmission(AttentionMode.LOCAL)
+    if k == vllm_k:
+        # The K the layer's own code and its backend read the cache with.
+        return AttentionAdmission(AttentionMode.LOCAL)
+    if backend is None or not _taught(kind, backend, k):
         return _untaught(head, kind, backend or "(none)", k, vllm_k)
+    layer = taught_layer(layer_class, mla)
+    if layer is None or (k > 1 and not layer.partial):
+        path = GENERIC_LAYERS[mla] if layer_class is None else layer_class
+        return _untaught_layer(head, kind, path, k, vllm_k)
+    if specialized_decode and layer.path in SPECIALIZED_DECODE_LAYERS:
+        return _refusal(
+            head,
+            "Kimi-K3's specialized decode (decode_backend=latency_specialized) "
+            "runs its own DCP mailboxes over all D ranks and bypasses the impl",
+            "use K=D ('sharded') for this group or turn specialized decode off",
+        )
     return _admit_taught(
         head,
         kind,

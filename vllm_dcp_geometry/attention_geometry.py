@@ -20,6 +20,7 @@ group from its spec, finding a group's layers) import it when called.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from vllm_dcp_geometry.attention_admission import (
     AttentionAdmission,
     AttentionKind,
     admit_attention,
+    impl_world_refusal,
     taught_backend_name,
     vllm_shard_count,
 )
@@ -44,6 +46,7 @@ from vllm_dcp_geometry.geometry import (
     group_name,
 )
 from vllm_dcp_geometry.group_context import use_group_geometry
+from vllm_dcp_geometry.layer_classes import layer_class_path
 
 if TYPE_CHECKING:
     import torch
@@ -99,29 +102,6 @@ def resolve_group_geometry(
         parallel_config.prefill_context_parallel_size,
     )
     return geometry
-
-
-def group_layer_impls(
-    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
-) -> list[tuple[str, Any]]:
-    """(name, impl) of the group's attention layers (a group with K < D).
-
-    A layer that cannot be found is an error: its impl would keep the D-rank
-    geometry (query all-gather and combine over D) and read the group's
-    cache wrongly.
-    """
-    context = vllm_config.compilation_config.static_forward_context
-    found = []
-    for name in layer_names:
-        impl = getattr(context.get(name), "impl", None)
-        if impl is None:
-            raise DcpGeometryError(
-                f"{geometry.describe()}: layer {name} has no attention impl in "
-                "the forward context, so it cannot be bound to the group's "
-                "shard count"
-            )
-        found.append((name, impl))
-    return found
 
 
 def check_rebind(obj: Any, geometry: GroupGeometry, what: str) -> bool:
@@ -251,7 +231,8 @@ def upstream_read_shard_count(kv_cache_spec: Any, dcp_world_size: int) -> int | 
 def backend_label(backend_name: str, builder_cls: type) -> str:
     """The backend's name where its builder is the exact class the plugin
     taught (or the backend is not taught at all), else the name with the
-    builder: a subclass or a re-registered backend is not taught."""
+    builder: a subclass or a re-registered backend is not taught (unless it
+    is one of ``attention_admission.LOCAL_ONLY_BUILDERS``)."""
     path = f"{builder_cls.__module__}.{builder_cls.__qualname__}"
     taught = TAUGHT_BACKENDS.get(backend_name)
     if taught is None or taught.builder == path:
@@ -267,6 +248,36 @@ def layers_replicate_queries(vllm_config: Any, layer_names: Sequence[str]) -> bo
     )
 
 
+SPECIALIZED_DECODE_BACKEND = "latency_specialized"
+"""``additional_config["decode_backend"]`` that turns Kimi-K3's specialized
+decode on."""
+
+
+def specialized_decode_enabled(vllm_config: Any) -> bool:
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    return additional.get("decode_backend") == SPECIALIZED_DECODE_BACKEND
+
+
+def group_layer_classes(
+    vllm_config: Any, layer_names: Sequence[str]
+) -> list[tuple[str, str, int | None]]:
+    """(layer name, layer class, impl DCP world) of the first layer of each
+    class in the group; a layer missing from the forward context is named
+    as such (no taught class, so only vLLM's K runs)."""
+    context = vllm_config.compilation_config.static_forward_context
+    seen: dict[str, tuple[str, str, int | None]] = {}
+    for name in layer_names:
+        layer = context.get(name)
+        if layer is None:
+            path = "not in the forward context"
+            world = None
+        else:
+            path = layer_class_path(layer)
+            world = getattr(getattr(layer, "impl", None), "dcp_world_size", None)
+        seen.setdefault(path, (name, path, world))
+    return list(seen.values())
+
+
 def admit_group(
     geometry: GroupGeometry,
     *,
@@ -275,20 +286,57 @@ def admit_group(
     vllm_config: Any,
     layer_names: Sequence[str],
 ) -> AttentionAdmission:
-    """``attention_admission.admit_attention`` for a group on this worker."""
+    """``attention_admission.admit_attention`` for a group on this worker,
+    once per layer class of the group (the first refusal wins)."""
     parallel_config = vllm_config.parallel_config
     default = geometry.default_shard_count
-    return admit_attention(
-        owner=geometry.owner,
-        kind=kind,
-        backend=backend,
-        shard_count=geometry.shard_count,
-        dcp_world_size=geometry.dcp_world_size,
-        default_shard_count=geometry.dcp_world_size if default is None else default,
-        pcp_world_size=parallel_config.prefill_context_parallel_size,
-        interleave_size=geometry.interleave_size,
-        dcp_q_replicate=layers_replicate_queries(vllm_config, layer_names),
+    replicate = layers_replicate_queries(vllm_config, layer_names)
+    specialized = specialized_decode_enabled(vllm_config)
+    admission = None
+    for name, path, impl_world in group_layer_classes(vllm_config, layer_names):
+        admission = admit_attention(
+            owner=geometry.owner,
+            kind=kind,
+            backend=backend,
+            shard_count=geometry.shard_count,
+            dcp_world_size=geometry.dcp_world_size,
+            default_shard_count=geometry.dcp_world_size if default is None else default,
+            pcp_world_size=parallel_config.prefill_context_parallel_size,
+            interleave_size=geometry.interleave_size,
+            dcp_q_replicate=replicate,
+            layer_class=path,
+            layer_name=name,
+            impl_dcp_world_size=impl_world,
+            specialized_decode=specialized,
+        )
+        if admission.refused:
+            return admission
+    if admission is None:
+        raise DcpGeometryError(f"{geometry.describe()}: the group has no layers")
+    return admission
+
+
+def check_sharding_of_replicated_layer(
+    vllm_config: Any, layer_name: str, shard_count: int, dcp_world_size: int
+) -> None:
+    """An override shards (K > 1) a layer vLLM built replicated: refuse it
+    where the layer's attention impl runs for fewer than D ranks (the dense
+    drafts Model Runner V2 builds at DCP 1), naming layer, class, backend,
+    K and D."""
+    context = vllm_config.compilation_config.static_forward_context
+    layer = context.get(layer_name)
+    impl = getattr(layer, "impl", None)
+    impl_world = getattr(impl, "dcp_world_size", None)
+    if impl_world is None or impl_world == dcp_world_size:
+        return
+    backend = type(impl).__name__
+    with contextlib.suppress(AttributeError, NotImplementedError):
+        backend = layer.get_attn_backend().get_name()
+    head = (
+        f"layer {layer_name} ({layer_class_path(layer)}), attention backend "
+        f"{backend}, K={shard_count}, D={dcp_world_size}"
     )
+    impl_world_refusal(head, impl_world).check()
 
 
 def admit_builder(
@@ -333,16 +381,6 @@ def bind_impl_to_group(impl: Any, geometry: GroupGeometry, layer_name: str) -> N
             )
         impl.dcp_combine = mask_combine(impl.dcp_combine, geometry.replica)
     setattr(impl, BOUND_GEOMETRY_ATTR, geometry)
-
-
-def bind_group_impls(
-    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
-) -> None:
-    """Bind every impl of a group with K < D (K = D needs nothing)."""
-    if geometry.shard_count == geometry.dcp_world_size:
-        return
-    for name, impl in group_layer_impls(vllm_config, layer_names, geometry):
-        bind_impl_to_group(impl, geometry, name)
 
 
 def group_local_seq_lens(

@@ -208,9 +208,21 @@ class GroupGeometry:
         return 1 < self.shard_count < self.dcp_world_size
 
     @property
+    def is_sharded(self) -> bool:
+        """K = D: positions spread over every DCP rank (vLLM's own DCP)."""
+        return self.shard_count == self.dcp_world_size
+
+    @property
     def matches_default(self) -> bool:
         """K is what vLLM derives from the spec's ``dcp_sharded`` flag."""
         return self.shard_count == self.default_shard_count
+
+    @property
+    def needs_admission(self) -> bool:
+        """Whether attention must be admitted for this K: every K < D, and a
+        K = D that is not vLLM's default (a 'sharded' override on a layer
+        vLLM built replicated, whose impl may run for fewer ranks)."""
+        return not (self.is_sharded and self.matches_default)
 
     @property
     def shard_world(self) -> tuple[int, int]:

@@ -27,7 +27,7 @@ vLLM is imported inside the functions that need it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from vllm_dcp_geometry.attention_geometry import (
@@ -97,24 +97,6 @@ class ShardWorldForwardMqa:
             ) = saved
 
 
-def group_mla_layers(
-    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
-) -> list[tuple[str, Any]]:
-    """(name, layer) of every MLA layer of the group; a missing one is an
-    error, since its impl would keep vLLM's D-wide geometry."""
-    context = vllm_config.compilation_config.static_forward_context
-    layers = []
-    for name in layer_names:
-        layer = context.get(name)
-        if getattr(layer, "impl", None) is None:
-            raise DcpGeometryError(
-                f"{geometry.describe()}: layer {name} has no MLA attention impl in "
-                "the forward context, so it cannot be bound to the group's K"
-            )
-        layers.append((name, layer))
-    return layers
-
-
 def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
     """Give an MLA layer's impl (built with the model) its group's geometry;
     idempotent for the same geometry, an error for another."""
@@ -134,13 +116,6 @@ def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None
         manager.combine = mask_combine(manager.combine, geometry.replica)
     impl.forward_mqa = ShardWorldForwardMqa(impl, impl.forward_mqa, geometry)
     setattr(impl, BOUND_GEOMETRY_ATTR, geometry)
-
-
-def bind_mla_group(
-    vllm_config: Any, layer_names: Sequence[str], geometry: GroupGeometry
-) -> None:
-    for name, layer in group_mla_layers(vllm_config, layer_names, geometry):
-        bind_mla_layer(layer, geometry, name)
 
 
 # Chunked-prefill context of a partial group ------------------------------------

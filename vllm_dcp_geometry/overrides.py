@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_dcp_geometry.attention_geometry import check_sharding_of_replicated_layer
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     TokenLayout,
@@ -349,6 +350,10 @@ def apply_to_kv_cache_specs(
         )
         if geometry is None:
             continue
+        if geometry.dcp_sharded and not spec.dcp_sharded:
+            check_sharding_of_replicated_layer(
+                vllm_config, name, geometry.dcp_kv_shard_count or dcp, dcp
+            )
         result[name] = dataclasses.replace(
             spec,
             dcp_sharded=geometry.dcp_sharded,

@@ -38,3 +38,45 @@ def run_outside_suite(path: str) -> int:
             [path, "--noconftest", "-p", "no:cacheprovider", "-v", "-rs", *sys.argv[1:]]
         )
     )
+
+
+MLA_TOLERANCE = 3e-2
+"""bfloat16 inputs and caches: the kernels' rounding, not the geometry."""
+
+_MLA_BLOCK_SIZES = {"CUTLASS_MLA": 128}
+
+
+def mla_shape(backend: str) -> Any:
+    """The MLA harness's sizes on a CUDA device for ``backend``: DeepSeek-V3's
+    latent sizes (Kimi-K3's too) in bfloat16, the CPU batch scaled by 8."""
+    import torch
+
+    from tests.mla_harness import CPU, Shape
+
+    return Shape(
+        block_size=_MLA_BLOCK_SIZES.get(backend, 64),
+        heads_per_rank=16,
+        kv_lora_rank=512,
+        rope_dim=64,
+        nope_dim=128,
+        v_head_dim=128,
+        max_model_len=512,
+        num_blocks=128,
+        requests=tuple((8 * c, n) for c, n in CPU.requests),
+        device="cuda",
+        dtype=torch.bfloat16,
+    )
+
+
+def require_backend(backend: str) -> None:
+    """Skip, naming it, a backend this device cannot import or run."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        backend_cls = AttentionBackendEnum[backend].get_class()
+    except Exception as exc:
+        pytest.skip(f"{backend} does not import here: {exc}")
+    capability = current_platform.get_device_capability()
+    if not backend_cls.supports_compute_capability(capability):
+        pytest.skip(f"{backend} does not run on compute capability {capability}")

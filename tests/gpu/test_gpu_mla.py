@@ -24,61 +24,27 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from tests.gpu import gpu_marks, run_outside_suite  # noqa: E402
-
-if TYPE_CHECKING:
-    from tests.mla_harness import Shape
+from tests.gpu import (  # noqa: E402
+    MLA_TOLERANCE,
+    gpu_marks,
+    mla_shape,
+    require_backend,
+    run_outside_suite,
+)
 
 pytestmark = gpu_marks()
 
-# bfloat16 inputs and caches: the kernels' rounding, not the geometry.
-TOLERANCE = 3e-2
-BLOCK_SIZES = {"CUTLASS_MLA": 128}
 BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA")
 # (D, K, I): replicated, partial, sharded at D = 4 (I = 1: FLASHINFER_MLA
 # refuses any other interleave under DCP), and a partial K with I = B.
 CASES = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, "B")]
-
-
-def gpu_shape(backend: str) -> Shape:
-    from tests.mla_harness import CPU, Shape
-
-    block = BLOCK_SIZES.get(backend, 64)
-    return Shape(
-        block_size=block,
-        heads_per_rank=16,
-        kv_lora_rank=512,
-        rope_dim=64,
-        nope_dim=128,
-        v_head_dim=128,
-        max_model_len=512,
-        num_blocks=128,
-        requests=tuple((8 * c, n) for c, n in CPU.requests),
-        device="cuda",
-        dtype=torch.bfloat16,
-    )
-
-
-def _runnable(backend: str) -> None:
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    try:
-        backend_cls = AttentionBackendEnum[backend].get_class()
-    except Exception as exc:  # a kernel library is missing
-        pytest.skip(f"{backend} does not import here: {exc}")
-    capability = current_platform.get_device_capability()
-    if not backend_cls.supports_compute_capability(capability):
-        pytest.skip(f"{backend} does not run on compute capability {capability}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,14 +61,14 @@ def test_compiled_mla_backend_follows_the_group(
 ) -> None:
     from tests.mla_cases import run_case
 
-    _runnable(backend)
-    shape = gpu_shape(backend)
+    require_backend(backend)
+    shape = mla_shape(backend)
     i = shape.block_size if interleave == "B" else int(interleave)
     if backend == "FLASHINFER_MLA" and i != 1:
         pytest.skip("FLASHINFER_MLA refuses an interleave other than 1 under DCP")
     report = run_case(dcp, k, i, patched=True, shape=shape, backend_name=backend)
     for key in ("decode_out", "prefill_out", "decode_lse", "context_lse"):
-        assert report[key] <= TOLERANCE, (backend, dcp, k, i, key, report)
+        assert report[key] <= MLA_TOLERANCE, (backend, dcp, k, i, key, report)
 
 
 def test_plan_defaults_are_vllms_first_choice_on_sm90() -> None:

@@ -81,8 +81,9 @@ def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
         kwargs["dcp_kv_shard_count"] = group.dcp_kv_shard_count
     if group.kind == "mla":
         cls: Any = kvi.MLAAttentionSpec
-        if "cache_dtype_str" in f:
-            kwargs["cache_dtype_str"] = f["cache_dtype_str"]
+        for key in ("cache_dtype_str", "non_causal_multi_token_decode"):
+            if key in f:
+                kwargs[key] = f[key]
     elif group.kind == "sliding_window":
         cls = kvi.SlidingWindowSpec
         kwargs["sliding_window"] = f["sliding_window"]

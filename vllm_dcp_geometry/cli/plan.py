@@ -29,6 +29,7 @@ from vllm_dcp_geometry.geometry import (
     group_name,
     runner_table_width,
 )
+from vllm_dcp_geometry.layer_classes import GENERIC_LAYERS
 from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
 
 _DELTA_KEYS = (
@@ -108,6 +109,18 @@ DEFAULT_ATTENTION_BACKENDS = {
 (``vllm.platforms.cuda``'s backend priorities). ``--attention-backend NAME``
 replaces it for the groups of NAME's kind (MLA backends for MLA groups)."""
 
+NON_CAUSAL_DCP_MLA_BACKEND = "FLASHINFER_MLA"
+"""What vLLM 0.33.0 picks on SM90 for an MLA layer with non-causal
+multi-token decode (a DSpark draft) under DCP: its selector keeps only
+builders with ``supports_non_causal_multi_token_dcp``, whatever the group's
+K (the selector runs with the model, before any spec is known)."""
+
+NON_CAUSAL_DCP_MLA_BACKENDS = frozenset(
+    {"FLASHINFER_MLA", "TOKENSPEED_MLA", "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA"}
+)
+"""MLA backends whose builder has ``supports_non_causal_multi_token_dcp``
+(a test checks the list against vLLM's importable backends)."""
+
 _ATTENTION_KINDS = {
     "mla": AttentionKind.MLA,
     "full_attention": AttentionKind.ATTENTION,
@@ -131,6 +144,42 @@ def check_attention_backend(name: str | None) -> str | None:
     return name
 
 
+def default_attention_backend(group: CacheGroup, dcp: int) -> str:
+    """The backend vLLM 0.33.0 selects for the group on SM90."""
+    if (
+        group.kind == "mla"
+        and dcp > 1
+        and group.spec_fields.get("non_causal_multi_token_decode", False)
+    ):
+        return NON_CAUSAL_DCP_MLA_BACKEND
+    return DEFAULT_ATTENTION_BACKENDS[group.kind]
+
+
+def group_layer_class(group: CacheGroup) -> str | None:
+    """The class that reads the group's cache (None for recurrent state)."""
+    if not group.is_attention:
+        return None
+    return group.layer_class or GENERIC_LAYERS[group.kind == "mla"]
+
+
+def vllm_selector_refusal(
+    group: CacheGroup, index: int, backend: str | None, dcp: int
+) -> str | None:
+    """vLLM's own refusal at model construction, which no K changes: its
+    selector refuses non-causal multi-token MLA decode (a DSpark draft)
+    under DCP on a backend without DSpark DCP support."""
+    non_causal = group.spec_fields.get("non_causal_multi_token_decode", False)
+    if not non_causal or dcp == 1 or backend in NON_CAUSAL_DCP_MLA_BACKENDS:
+        return None
+    return (
+        f"{group_name(group.layers, index)}: attention backend {backend}: vLLM "
+        "0.33.0's attention selector refuses non-causal multi-token MLA decode "
+        "(a DSpark draft) under DCP on this backend, whatever the group's K (it "
+        "selects when the model is built, before any KV-cache spec); use "
+        f"{' or '.join(sorted(NON_CAUSAL_DCP_MLA_BACKENDS))}"
+    )
+
+
 def group_attention(
     group: CacheGroup,
     index: int,
@@ -140,16 +189,25 @@ def group_attention(
 ) -> dict[str, Any]:
     """How the group's attention runs at start-up: the admission rule the
     runtime calls, with the group named as the runtime names KV-cache group
-    ``index``."""
+    ``index`` and its first layer standing for the layer class."""
     dcp = topology.decode_context_parallel_size
     kind = _ATTENTION_KINDS[group.kind]
     backend = None
     if kind is not AttentionKind.NONE:
-        backend = DEFAULT_ATTENTION_BACKENDS[group.kind]
+        backend = default_attention_backend(group, dcp)
         if attention_backend is not None and is_mla_backend_name(attention_backend) == (
             kind is AttentionKind.MLA
         ):
             backend = attention_backend
+    layer_class = group_layer_class(group)
+    refusal = vllm_selector_refusal(group, index, backend, dcp)
+    if refusal is not None:
+        return {
+            "layer_class": layer_class,
+            "attention_backend": backend,
+            "attention_mode": "refused",
+            "attention_refusal": refusal,
+        }
     admission = admit_attention(
         owner=group_name(group.layers, index),
         kind=kind,
@@ -158,8 +216,11 @@ def group_attention(
         dcp_world_size=dcp,
         default_shard_count=default_shard_count(spec, dcp),
         interleave_size=topology.interleave_size,
+        layer_class=layer_class,
+        layer_name=group.layers[0],
     )
     return {
+        "layer_class": layer_class,
         "attention_backend": backend,
         "attention_mode": admission.mode.value,
         "attention_refusal": admission.reason or None,

@@ -99,7 +99,15 @@ def _attention_lines(plan: dict[str, Any]) -> list[str]:
     source = "vLLM's first choice on SM90"
     if chosen:
         source = f"--attention-backend {chosen} for its kind, else {source}"
-    lines = [f"attention backends ({source}): {used or 'none'}"]
+    classes: dict[str, list[str]] = {}
+    for g in plan["groups"]:
+        if g["layer_class"] is not None:
+            classes.setdefault(g["layer_class"], []).append(g["name"])
+    by_class = "; ".join(f"{name}: {', '.join(gs)}" for name, gs in classes.items())
+    lines = [
+        f"attention backends ({source}): {used or 'none'}",
+        f"attention layer classes: {by_class or 'none'}",
+    ]
     refusals = [g["attention_refusal"] for g in plan["groups"]]
     return lines + [f"refused: {reason}" for reason in refusals if reason]
 

@@ -9,8 +9,10 @@
 
 No patch module imports another: what they share lives in
 ``vllm_dcp_geometry.contract`` (the rules), ``geometry`` (what specs and
-groups say), ``group_context`` (the side channels) and ``attention_geometry``
-(attention impl binding and combine). ``tools/check_sources.py`` enforces it.
+groups say), ``group_context`` (the side channels), ``attention_geometry``
+(attention impl binding and combine), ``layer_classes`` (the taught layer
+classes and the registry model patches add their binders to) and
+``layer_binding``. ``tools/check_sources.py`` enforces it.
 
 ``PATCH_MODULES`` is the full list ``register()`` installs; the order is the
 order in which patches apply when their upstream modules are already loaded.
@@ -33,6 +35,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.worker.flash_attn",
     "vllm_dcp_geometry.patches.worker.flashinfer",
     "vllm_dcp_geometry.patches.worker.mla_attention",
+    "vllm_dcp_geometry.patches.worker.kimi_k3_mla",
+    "vllm_dcp_geometry.patches.worker.flint_model",
 )
 
 

@@ -43,6 +43,9 @@ class CacheGroup:
     draft: bool = False
     spec_fields: Mapping[str, Any] = field(default_factory=dict)
     """Spec constructor fields besides ``block_size`` (validated per kind)."""
+    layer_class: str | None = None
+    """``module.qualname`` of the attention layer class that reads the cache
+    (None: vLLM's generic ``Attention``/``MLAAttention``)."""
 
     @property
     def is_attention(self) -> bool:
@@ -81,6 +84,7 @@ class CacheGroup:
             "block_size": self.block_size,
             "draft": self.draft,
             "layers": list(self.layers),
+            **({"layer_class": self.layer_class} if self.layer_class else {}),
             **{k: _jsonable(v) for k, v in sorted(self.spec_fields.items())},
         }
 

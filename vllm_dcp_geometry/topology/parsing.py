@@ -50,7 +50,7 @@ _MAMBA_FIELDS = frozenset(
 )
 _SPEC_FIELDS: dict[str, frozenset[str]] = {
     "full_attention": _ATTENTION_FIELDS | {"sliding_window"},
-    "mla": _ATTENTION_FIELDS | {"cache_dtype_str"},
+    "mla": _ATTENTION_FIELDS | {"cache_dtype_str", "non_causal_multi_token_decode"},
     "sliding_window": _ATTENTION_FIELDS | {"sliding_window"},
     "mamba": _MAMBA_FIELDS,
 }
@@ -70,7 +70,16 @@ _POSITIVE_FIELDS = (
 _COUNT_FIELDS = ("num_speculative_blocks", "num_prefill_checkpoint_blocks")
 _NAME_FIELDS = ("dtype", "cache_dtype_str", "mamba_type", "mamba_cache_mode")
 _GROUP_KEYS = frozenset(
-    {"name", "kind", "layers", "layer_template", "layer_ids", "block_size", "draft"}
+    {
+        "name",
+        "kind",
+        "layers",
+        "layer_template",
+        "layer_ids",
+        "block_size",
+        "draft",
+        "layer_class",
+    }
 )
 _TOP_KEYS = frozenset(
     {"name", "description", "parallel", "limits", "cache", "replay", "groups"}
@@ -188,6 +197,11 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
     _check_spec_fields(spec_fields, where)
     if kind == "mamba":
         _check_state_shapes(spec_fields, where)
+    layer_class = raw.get("layer_class")
+    if layer_class is not None:
+        if kind not in ATTENTION_KINDS:
+            raise TopologyError(f"{where}: only attention groups have a layer_class")
+        _layer_class(layer_class, where)
     return CacheGroup(
         name=name,
         kind=kind,
@@ -195,7 +209,20 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         block_size=block_size,
         draft=draft,
         spec_fields=spec_fields,
+        layer_class=layer_class,
     )
+
+
+def _layer_class(value: Any, where: str) -> str:
+    """A ``module.qualname`` of Python identifiers, as vLLM classes are named."""
+    parts = value.split(".") if isinstance(value, str) else []
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        raise TopologyError(
+            f"{where}: layer_class must be a class's module.qualname (e.g. "
+            f"'vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention'), got "
+            f"{show(value)}"
+        )
+    return str(value)
 
 
 def _check_spec_fields(fields_: dict[str, Any], where: str) -> None:
@@ -205,8 +232,9 @@ def _check_spec_fields(fields_: dict[str, Any], where: str) -> None:
     for key in _COUNT_FIELDS:
         if key in fields_:
             NON_NEGATIVE_INT32.check(fields_[key], f"{where}: {key}")
-    if "dcp_sharded" in fields_ and not isinstance(fields_["dcp_sharded"], bool):
-        raise TopologyError(f"{where}: dcp_sharded must be true or false")
+    for key in ("dcp_sharded", "non_causal_multi_token_decode"):
+        if key in fields_ and not isinstance(fields_[key], bool):
+            raise TopologyError(f"{where}: {key} must be true or false")
     for key in _NAME_FIELDS:
         if key in fields_:
             _name(fields_[key], f"{where}: {key}")

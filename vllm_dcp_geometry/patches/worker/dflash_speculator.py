@@ -6,7 +6,12 @@ What: wraps ``DFlashSpeculator.set_attn`` (inherited by DSpark, DFlash2,
 XPress, LiLiCorr) to check, once the draft's KV-cache groups are known, that
 every draft group's shard count K equals the ``CP_SIZE`` its own slot kernel
 (``_prepare_dflash_inputs_kernel``) runs with, ``speculator.dcp_size``, and
-raises a ``DcpGeometryError`` naming the group otherwise.
+raises a ``DcpGeometryError`` naming the group otherwise. One case is made
+right instead: an MLA draft (vLLM runs it at DCP D) whose groups are all
+replicated (K = 1, e.g. Kimi-K3's DSpark draft with a ``"replicated"``
+override) gets ``speculator.dcp_size = 1``, so the kernel computes the
+replicated slots (``CP_SIZE = 1`` ignores the rank) and the draft steps'
+lengths are the full ones, as its local builders read them.
 
 Why: the DFlash kernel computes draft slots itself, with ``CP_SIZE =
 dcp_size`` and ``cp_rank = r``, not from the block tables' geometry. That is
@@ -67,9 +72,25 @@ def check_draft_group_geometry(
             raise DcpGeometryError(
                 f"{owner}: the DFlash-family draft computes its slots for DCP "
                 f"size {speculator_dcp_size}, but the group's shard count is K={k} "
-                f"(D={target_dcp_size}); a draft at DCP 1 must be replicated and "
-                f"a draft at DCP D sharded over all D ranks"
+                f"(D={target_dcp_size}); a draft at DCP 1 must be replicated, and "
+                "a draft at DCP D sharded over all D ranks or replicated in every "
+                "draft group"
             )
+
+
+def draft_groups_replicated(
+    kv_cache_config: Any, draft_group_ids: list[int], target_dcp_size: int
+) -> bool:
+    """Whether the draft has groups and every one of them has K = 1."""
+    counts = [
+        get_kv_cache_dcp_shard_count(
+            kv_cache_config.kv_cache_groups[gid].kv_cache_spec,
+            target_dcp_size,
+            owner=group_name(kv_cache_config.kv_cache_groups[gid].layer_names, gid),
+        )
+        for gid in draft_group_ids
+    ]
+    return bool(counts) and all(k == 1 for k in counts)
 
 
 def _make_set_attn(original: Callable[..., None]) -> Callable[..., None]:
@@ -90,6 +111,13 @@ def _make_set_attn(original: Callable[..., None]) -> Callable[..., None]:
             target_attn_groups,
         )
         if block_tables.cp_size > 1:
+            replicated = draft_groups_replicated(
+                kv_cache_config,
+                list(self.draft_kv_cache_group_ids),
+                block_tables.cp_size,
+            )
+            if replicated and self.dcp_size == block_tables.cp_size:
+                self.dcp_size = 1
             check_draft_group_geometry(
                 kv_cache_config,
                 list(self.draft_kv_cache_group_ids),

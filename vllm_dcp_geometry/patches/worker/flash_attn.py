@@ -48,13 +48,13 @@ from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
     admit_builder,
-    bind_group_impls,
     resolve_group_geometry,
 )
 from vllm_dcp_geometry.group_context import (
     current_group_geometry,
     use_group_geometry,
 )
+from vllm_dcp_geometry.layer_binding import bind_group_layers
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flash_attn"
 RUNS_IN = "worker"
@@ -113,7 +113,7 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         device: Any,
     ) -> None:
         geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is not None and geometry.shard_count != geometry.dcp_world_size:
+        if geometry is not None and geometry.needs_admission:
             admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
         if geometry is None or geometry.matches_default:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
@@ -126,7 +126,7 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
                 # The DCP context pass attends with the queries of all D ranks.
                 self.num_heads_q *= geometry.dcp_world_size // geometry.shard_count
         setattr(self, BOUND_GEOMETRY_ATTR, geometry)
-        bind_group_impls(vllm_config, layer_names, geometry)
+        bind_group_layers(vllm_config, layer_names, geometry, mla=False)
 
     return __init__
 

@@ -48,7 +48,6 @@ from vllm_dcp_geometry.attention_geometry import (
     BOUND_GEOMETRY_ATTR,
     admit_builder,
     attach_local_seq_lens_buffer,
-    bind_group_impls,
     bound_partial_geometry,
     group_local_seq_lens,
     make_partial_group_build,
@@ -60,6 +59,7 @@ from vllm_dcp_geometry.group_context import (
     current_group_geometry,
     use_group_geometry,
 )
+from vllm_dcp_geometry.layer_binding import bind_group_layers
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flashinfer"
 RUNS_IN = "worker"
@@ -154,7 +154,7 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         if geometry is None:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
             return
-        if geometry.shard_count != geometry.dcp_world_size:
+        if geometry.needs_admission:
             admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
         if geometry.is_replicated and not geometry.matches_default:
             with use_group_geometry(geometry):
@@ -164,7 +164,7 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
         setattr(self, BOUND_GEOMETRY_ATTR, geometry)
         if geometry.is_partial:
             attach_local_seq_lens_buffer(self, vllm_config, device)
-        bind_group_impls(vllm_config, layer_names, geometry)
+        bind_group_layers(vllm_config, layer_names, geometry, mla=False)
 
     return __init__
 

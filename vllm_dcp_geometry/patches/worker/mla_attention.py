@@ -12,8 +12,10 @@ the group's MLA layers (``mla_geometry``):
 - K = 1 (``local``): the upstream constructor runs with ``get_dcp_group``
   answering the group's world (1, 0), so the builder is vLLM's DCP1 builder
   (workspace N, no KV gather, full decode lengths, the DCP1 prefill-context
-  path, backend workspaces sized for the rank's own heads); the impls run
-  plain local attention.
+  path, backend workspaces sized for the rank's own heads, and DSpark's DCP
+  backend check ``_validate_dspark_dcp_support`` skipped as at DCP = 1); the
+  layers run plain local attention (bound through their layer class,
+  ``layer_binding``).
 - 1 < K < D (``dcp-partial``): the upstream constructor keeps D (the query
   all-gather, combine and context KV gather span the DCP group). ``build``
   runs with the group's local decode lengths (persistent per-builder
@@ -25,8 +27,12 @@ Why: vLLM 0.33.0's MLA takes D from the DCP group whatever the spec says, so
 a replicated or partial MLA cache is read as if sharded over D: wrong
 lengths, a wrong combine and a wrong context gather, silently.
 
-Hand-back: D == 1 or K == D runs every wrapped function upstream's way
-(``get_dcp_group`` and the planner check one context variable).
+A K = D that is not the spec's default (a 'sharded' override) is admitted
+too, so a layer whose impl vLLM built for fewer ranks is refused.
+
+Hand-back: D == 1 or K == D by default runs every wrapped function
+upstream's way (``get_dcp_group``, the DSpark check and the planner check one
+context variable).
 
 Remove when: vLLM's MLA takes a per-group DCP shard count.
 """
@@ -51,9 +57,9 @@ from vllm_dcp_geometry.group_context import (
     current_group_geometry,
     use_group_geometry,
 )
+from vllm_dcp_geometry.layer_binding import bind_group_layers
 from vllm_dcp_geometry.mla_geometry import (
     ShardWorldGroup,
-    bind_mla_group,
     check_context_workspace,
     decode_max_seq_len,
     group_context_chunk_kwargs,
@@ -83,6 +89,11 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "self, common_prefix_len, common_attn_metadata, fast_build=",
     ),
     UpstreamSymbol(_M, "get_dcp_group", ""),
+    UpstreamSymbol(
+        _M,
+        "MLACommonMetadataBuilder._validate_dspark_dcp_support",
+        "self, supports_dcp_with_varlen",
+    ),
     UpstreamSymbol(
         _M,
         "build_mla_chunked_context_metadata",
@@ -123,6 +134,18 @@ def _make_get_dcp_group(original: Callable[[], Any]) -> Callable[[], Any]:
     return get_dcp_group
 
 
+def _make_validate_dspark(original: Callable[..., None]) -> Callable[..., None]:
+    def _validate_dspark_dcp_support(self: Any, supports_dcp_with_varlen: bool) -> None:
+        geometry = current_group_geometry()
+        if geometry is not None and geometry.is_replicated:
+            # A replicated draft group runs without DCP, as at DCP = 1, where
+            # vLLM lets every backend run DSpark.
+            return
+        original(self, supports_dcp_with_varlen)
+
+    return _validate_dspark_dcp_support
+
+
 def _make_chunk_planner(original: Callable[..., Any]) -> Callable[..., Any]:
     def build_mla_chunked_context_metadata(**kwargs: Any) -> Any:
         geometry = current_group_geometry()
@@ -149,12 +172,15 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
             )
 
         geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is None or geometry.shard_count == geometry.dcp_world_size:
+        if geometry is None or not geometry.needs_admission:
             construct()
             return
         admission = admit_builder(
             self, geometry, kv_cache_spec, vllm_config, layer_names
         )
+        if geometry.is_sharded:
+            construct()
+            return
         if admission.mode is AttentionMode.LOCAL:
             with use_group_geometry(geometry):
                 construct()
@@ -165,7 +191,7 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
             )
             attach_local_seq_lens_buffer(self, vllm_config, device)
         setattr(self, BOUND_GEOMETRY_ATTR, geometry)
-        bind_mla_group(vllm_config, layer_names, geometry)
+        bind_group_layers(vllm_config, layer_names, geometry, mla=True)
 
     return __init__
 
@@ -187,6 +213,7 @@ def apply(module: ModuleType) -> None:
     wrap(module, "build_mla_chunked_context_metadata", _make_chunk_planner)
     builder = module.MLACommonMetadataBuilder
     wrap(builder, "__init__", _make_builder_init)
+    wrap(builder, "_validate_dspark_dcp_support", _make_validate_dspark)
     wrap(
         builder,
         "build",

@@ -4,13 +4,15 @@
 
 What: wraps ``AttentionGroup.create_metadata_builders`` (Model Runner V1 and
 V2, target and draft groups alike). Before any builder is made for a group
-whose K differs from D, the group goes through the one admission rule,
-``attention_admission.admit_attention``, with its spec's kind, K, D, the K
-vLLM would read it with, its backend and the DCP modes (PCP, MLA query
-replication, interleave). A refused group raises ``DcpGeometryError`` naming
-the group and its layers, the backend, K and D; ``vllm-dcp-geometry plan``
-prints the same decision. Groups with K = D, or D = 1, go straight to
-upstream.
+whose K differs from D (or is a K = D other than the spec's default), the
+group goes through the one admission rule,
+``attention_admission.admit_attention``, once per layer class of the group,
+with its spec's kind, K, D, the K vLLM would read it with, the layer class,
+the DCP world its impl was built for, its backend and the DCP modes (PCP,
+MLA query replication, interleave, Kimi-K3's specialized decode). A refused
+group raises ``DcpGeometryError`` naming the group, layer, layer class,
+backend, K and D; ``vllm-dcp-geometry plan`` prints the same decision.
+Groups with vLLM's default K = D, or D = 1, go straight to upstream.
 
 Why: a backend the plugin has not taught a group's K reads every cache with
 vLLM's own geometry (the global D for MLA and most backends); running it on a
@@ -68,7 +70,7 @@ def admit_attention_group(group: Any, vllm_config: Any) -> None:
         vllm_config,
         index=group.kv_cache_group_id,
     )
-    if geometry is None or geometry.shard_count == geometry.dcp_world_size:
+    if geometry is None or not geometry.needs_admission:
         return
     backend = group.backend
     admit_group(

@@ -1,0 +1,387 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Kimi-K3's MLA layer over D simulated DCP ranks on CPU.
+
+Each rank is built as in ``tests.mla_ranks`` (a real TRITON_MLA impl, the
+``cpu_sdpa`` prefill backend, the layer's ``MLADCPManager`` and a real builder
+made by ``AttentionGroup.create_metadata_builders``), except that the layer in
+the forward context - the one the builder and the plugin's binding see - is
+vLLM's real ``vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention``. It is
+made without ``__init__`` (which needs a Kimi config, a CUDA stream and the
+selector), its attributes set as ``__init__`` sets them from the parts above,
+and its weights absorbed by its own ``process_weights_after_loading``. The
+forward is the layer's own ``_attention`` (decode through
+``impl.forward_mqa`` and its DCP gate, prefill through
+``_forward_prefill_fused`` with either context path).
+
+Stood in for: the four ``torch.ops._C.fused_kimi_k3_*`` CUDA ops behind the
+layer's real Python wrappers (checked against plain torch in
+``test_kimi_k3_layer``), the forward context, and what ``tests.mla_harness``
+stands in for. The context slots of every request are pre-written; the new
+tokens are written by the layer's own fused insert at the contract's slots.
+
+Importable without the plugin, so the unpatched baseline runs the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tests.mla_harness import (
+    CPU,
+    LAYER,
+    Batch,
+    CooperativeRanks,
+    Shape,
+    concat_and_cache_mla,
+    cpu_shims,
+    make_batch,
+    replaced,
+    simulated_collectives,
+)
+from tests.mla_ranks import (
+    Rank,
+    RankResult,
+    common_metadata,
+    make_ranks,
+    mla_spec,
+)
+from vllm_dcp_geometry.contract import reference_slot_mapping
+
+# Stand-ins for the fused CUDA ops ---------------------------------------------------
+
+
+def _full_key(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    k_pe = k_pe.reshape(k_pe.shape[0], 1, -1).expand(-1, k_nope.shape[1], -1)
+    return torch.cat([k_nope, k_pe], dim=-1)
+
+
+def _insert(kv_c, k_pe, kv_cache, slot_mapping) -> None:
+    concat_and_cache_mla(
+        kv_c, k_pe.reshape(k_pe.shape[0], -1), kv_cache, slot_mapping, "auto", None
+    )
+
+
+def key_concat_kv_cache_insert(
+    q, k_nope, k_pe, kv_c, k_out, kv_cache, slot_mapping, block_size, positions, cos
+):  # fmt: skip
+    """``fused_kimi_k3_mla_key_concat_kv_cache_insert`` (bf16, no RoPE):
+    ``k_out = [k_nope | k_pe]`` per head; the latent ``[kv_c | k_pe]`` into
+    the paged cache at ``slot_mapping`` (negative slots write nothing)."""
+    assert positions is None and cos is None, "RoPE is not stood in for"
+    assert block_size == kv_cache.shape[1]
+    k_out.copy_(_full_key(k_nope, k_pe))
+    _insert(kv_c, k_pe, kv_cache, slot_mapping)
+
+
+def kv_concat(k_nope, k_pe, k_out) -> None:
+    """``fused_kimi_k3_mla_kv_concat``: ``k_out = [k_nope | k_pe]``."""
+    k_out.copy_(_full_key(k_nope, k_pe))
+
+
+def decode_q_concat_kv_cache_insert(
+    ql_nope, q_pe, kv_c, k_pe, mqa_q, kv_cache, slot_mapping, block_size, pos, cos
+):  # fmt: skip
+    """``fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (bf16, no RoPE):
+    ``mqa_q = [ql_nope | q_pe]``; the latent into the paged cache."""
+    assert pos is None and cos is None, "RoPE is not stood in for"
+    assert block_size == kv_cache.shape[1]
+    mqa_q.copy_(torch.cat([ql_nope, q_pe], dim=-1))
+    _insert(kv_c, k_pe, kv_cache, slot_mapping)
+
+
+FUSED_OPS = {
+    "fused_kimi_k3_mla_key_concat_kv_cache_insert": key_concat_kv_cache_insert,
+    "fused_kimi_k3_mla_kv_concat": kv_concat,
+    "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": decode_q_concat_kv_cache_insert,
+}
+
+
+@contextmanager
+def fused_op_stand_ins() -> Iterator[None]:
+    """The ``torch.ops._C`` ops a CPU build lacks, behind the real wrappers."""
+    namespace = torch.ops._C
+    for name, fn in FUSED_OPS.items():
+        setattr(namespace, name, fn)
+    try:
+        yield
+    finally:
+        for name in FUSED_OPS:
+            with contextlib.suppress(AttributeError):
+                delattr(namespace, name)
+
+
+# The layer ------------------------------------------------------------------------
+
+
+def kimi_k3_layer(mla_layer: Any, vllm_config: Any, shape: Shape) -> Any:
+    """vLLM's ``MultiHeadLatentAttention`` with the attributes its ``__init__``
+    sets, built from a real ``MLAAttention``'s impl, DCP manager, prefill
+    backend and ``kv_b_proj``; D from the parallel config as ``__init__``
+    reads it."""
+    from torch import nn
+    from vllm.models.kimi_k3.nvidia import mla as kimi_mla
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    layer = MultiHeadLatentAttention.__new__(MultiHeadLatentAttention)
+    nn.Module.__init__(layer)
+    layer.hidden_size = 64
+    layer.qk_nope_head_dim = shape.nope_dim
+    layer.qk_rope_head_dim = shape.rope_dim
+    layer.qk_head_dim = shape.nope_dim + shape.rope_dim
+    layer.v_head_dim = shape.v_head_dim
+    layer.q_lora_rank = None
+    layer.kv_lora_rank = shape.kv_lora_rank
+    layer.use_output_gate = False
+    layer.non_causal_multi_token_decode = False
+    layer.head_size = shape.head_size
+    layer.scale = shape.scale
+    layer.layer_name = LAYER
+    layer.rotary_emb = None
+    layer.num_heads = shape.heads_per_rank * vllm_config.parallel_config.world_size
+    layer.num_local_heads = shape.heads_per_rank
+    layer.kv_b_proj = mla_layer.kv_b_proj
+    layer.gemm_rs_ar = None
+    layer.quant_config = None
+    layer.kv_cache_dtype = "auto"
+    layer.attn_backend = mla_layer.attn_backend
+    kimi_mla._init_kv_cache_quant(layer, None, LAYER)
+    layer.register_buffer(
+        "_one_scale", torch.ones(1, device=shape.device), persistent=False
+    )
+    layer.impl = mla_layer.impl
+    layer.q_pad_num_heads = getattr(layer.impl, "q_pad_num_heads", None)
+    layer.dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+    layer.dcp_manager = mla_layer.dcp_manager
+    layer.prefill_backend = mla_layer.prefill_backend
+    layer.kv_cache = torch.tensor([])
+    layer.process_weights_after_loading(shape.dtype)
+    return layer
+
+
+def make_kimi_ranks(
+    batch: Batch,
+    dcp: int,
+    shard_count: int,
+    interleave: int,
+    *,
+    spec: Any,
+    coop: CooperativeRanks | None,
+    additional_config: dict[str, Any] | None = None,
+    backend_name: str = "TRITON_MLA",
+) -> tuple[list[Rank], list[Any]]:
+    """The ranks of ``tests.mla_ranks.make_ranks`` with Kimi-K3's layer in
+    the forward context before the builders (and the plugin's binding) see
+    it; each rank's cache holds its shard of every request's context."""
+    layers: list[Any] = []
+
+    def configure(vllm_config: Any) -> None:
+        if additional_config is not None:
+            vllm_config.additional_config = additional_config
+        context = vllm_config.compilation_config.static_forward_context
+        layer = kimi_k3_layer(context[LAYER], vllm_config, batch.shape)
+        context[LAYER] = layer
+        layers.append(layer)
+
+    ranks = make_ranks(
+        batch,
+        dcp,
+        shard_count,
+        interleave,
+        spec=spec,
+        backend_name=backend_name,
+        coop=coop,
+        configure=configure,
+    )
+    for rank, layer in zip(ranks, layers, strict=True):
+        slots = new_token_slots(batch, shard_count, interleave, rank.rank % shard_count)
+        written = slots[slots >= 0].to(rank.kv_cache.device)
+        rank.kv_cache.view(-1, rank.kv_cache.shape[-1])[written] = 0
+        layer.kv_cache = rank.kv_cache
+    return ranks, layers
+
+
+def new_token_slots(
+    batch: Batch, shard_count: int, interleave: int, shard: int
+) -> torch.Tensor:
+    """The slot of every new token on shard ``shard`` (the contract's slot
+    mapping, what the plugin's block tables give the runner; -1 elsewhere)."""
+    shape = batch.shape
+    slots: list[int] = []
+    for i, (context, new) in enumerate(shape.requests):
+        slots.extend(
+            int(slot)
+            for slot in reference_slot_mapping(
+                range(context, context + new),
+                batch.rows[i],
+                block_size=shape.block_size,
+                shard_count=shard_count,
+                interleave_size=interleave,
+                shard=shard,
+            )
+        )
+    return torch.as_tensor(slots, dtype=torch.int64)
+
+
+# One forward --------------------------------------------------------------------
+
+
+def kimi_forward(
+    batch: Batch,
+    ranks: list[Rank],
+    layers: list[Any],
+    coop: CooperativeRanks,
+    shard_count: int,
+) -> list[RankResult]:
+    """Every rank's ``MultiHeadLatentAttention._attention`` over the batch."""
+    from vllm.models.kimi_k3.nvidia import mla as kimi_mla
+
+    shape = batch.shape
+    dcp = len(ranks)
+    contexts = [c for c, _ in shape.requests]
+    new_kv_c = torch.cat([kv[c:] for kv, c in zip(batch.kv_c, contexts, strict=True)])
+    new_k_pe = torch.cat([pe[c:] for pe, c in zip(batch.k_pe, contexts, strict=True)])
+    metadata = [
+        rank.builder.build(0, common_metadata(batch, dcp, rank.rank, rank.interleave))
+        for rank in ranks
+    ]
+    forward_contexts = [
+        SimpleNamespace(
+            attn_metadata={LAYER: metadata[r]},
+            slot_mapping={
+                LAYER: new_token_slots(
+                    batch, shard_count, ranks[r].interleave, r % shard_count
+                ).to(shape.device)
+            },
+        )
+        for r in range(dcp)
+    ]
+    records: dict[int, dict[str, Any]] = {}
+
+    def on_device(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(shape.device, shape.dtype).contiguous()
+
+    def run(r: int) -> torch.Tensor:
+        layer = layers[r]
+        bound_forward_mqa = layer.impl.forward_mqa
+
+        def forward_mqa(*args: Any) -> Any:
+            out, lse = bound_forward_mqa(*args)
+            records.setdefault(r, {})["local_lse"] = lse
+            return out, lse
+
+        h = shape.heads_per_rank
+        output = torch.zeros(
+            batch.num_tokens,
+            h * shape.v_head_dim,
+            dtype=shape.dtype,
+            device=shape.device,
+        )
+        with replaced(layer.impl, "forward_mqa", forward_mqa):
+            layer._attention(
+                torch.arange(batch.num_tokens, device=shape.device),
+                on_device(batch.q[:, r * h : (r + 1) * h]),
+                on_device(new_kv_c),
+                on_device(new_k_pe)[:, None, :],
+                output,
+            )
+        return output
+
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (
+        CPUSDPAMLAPrefillBackend,
+    )
+    from vllm.v1.attention.ops import dcp as dcp_ops
+
+    correct, merge = dcp_ops.correct_attn_out, kimi_mla.merge_attn_states
+
+    def correct_attn_out(*args: Any, **kwargs: Any) -> Any:
+        out, lse = correct(*args, **kwargs)
+        records.setdefault(coop.local.rank, {})["combined_lse"] = lse.clone()
+        return out, lse
+
+    def merge_attn_states(*args: Any, **kwargs: Any) -> Any:
+        records.setdefault(coop.local.rank, {})["context_lse"] = kwargs[
+            "prefix_lse"
+        ].clone()
+        return merge(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            replaced(
+                kimi_mla,
+                "get_forward_context",
+                lambda: forward_contexts[coop.local.rank],
+            )
+        )
+        stack.enter_context(replaced(dcp_ops, "correct_attn_out", correct_attn_out))
+        stack.enter_context(replaced(kimi_mla, "merge_attn_states", merge_attn_states))
+        if shape.device == "cpu":
+            # The CPU backend says it honours ``out`` but refuses it for
+            # context chunks, which the layer's DCP1 context loop passes it.
+            stack.enter_context(
+                replaced(CPUSDPAMLAPrefillBackend, "supports_out", lambda self: False)
+            )
+        outputs = coop.run(run)
+    results = []
+    for r, output in enumerate(outputs):
+        seen = records.get(r, {})
+        combined = layers[r].dcp_world_size > 1
+        results.append(
+            RankResult(
+                out=output,
+                decode_lse=seen.get("combined_lse" if combined else "local_lse"),
+                decode_lse_is_combined=combined,
+                context_lse=seen.get("context_lse"),
+                metadata=metadata[r],
+            )
+        )
+    return results
+
+
+def run_kimi_case(
+    dcp: int,
+    shard_count: int,
+    interleave: int,
+    *,
+    patched: bool,
+    seed: int = 0,
+    shape: Shape = CPU,
+    backend_name: str = "TRITON_MLA",
+) -> dict[str, Any]:
+    """One (D, K, I) case through Kimi-K3's layer, evaluated against the
+    float64 single-device reference (``tests.mla_cases.evaluate``). Raises
+    what the layer raises (the unpatched baseline's crash). On a GPU the
+    fused ops and every kernel are the real ones; only the collectives are
+    simulated."""
+    from tests.mla_cases import evaluate
+
+    explicit = patched and shard_count != dcp
+    batch = make_batch(dcp, shard_count, seed + 131 * dcp + 11 * shard_count, shape)
+    coop = CooperativeRanks(dcp)
+    with contextlib.ExitStack() as stack:
+        if shape.device == "cpu":
+            stack.enter_context(cpu_shims())
+            stack.enter_context(fused_op_stand_ins())
+        else:
+            stack.enter_context(simulated_collectives())
+        ranks, layers = make_kimi_ranks(
+            batch,
+            dcp,
+            shard_count,
+            interleave,
+            spec=mla_spec(shard_count if explicit else None, shape=shape),
+            coop=coop,
+            backend_name=backend_name,
+        )
+        results = kimi_forward(batch, ranks, layers, coop, shard_count)
+    report = evaluate(batch, results)
+    report["layer_dcp_world_sizes"] = [layer.dcp_world_size for layer in layers]
+    report["decode_seq_lens"] = [r.metadata.decode.seq_lens.tolist() for r in results]
+    report["chunks"] = [len(r.metadata.prefill.chunked_context.chunks) for r in results]
+    return report

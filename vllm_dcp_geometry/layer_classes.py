@@ -1,0 +1,331 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Attention layer classes: which ones the plugin taught a group's K, and how
+it binds them.
+
+A KV-cache group's attention is run by a layer class as much as by a backend:
+vLLM 0.33.0's models own 23 attention layer classes or sites with DCP logic of
+their own (under ``vllm/models/**`` and ``vllm/model_executor/models/**``),
+some of which gate DCP on their own attribute or run their own collectives,
+so binding the backend's impl alone is not enough for them. The admission rule
+(``attention_admission.admit_attention``) therefore takes the layer class:
+
+- a class in ``TAUGHT_LAYERS`` runs K = 1 (and 1 < K < D where ``partial``)
+  through its ``binding``;
+- any other class runs only the K its own code reads the cache with (vLLM's
+  K); every other K is refused at start-up naming layer, class, backend, K
+  and D. No model-owned class is admitted on the strength of its backend.
+
+``AUDITED_CLASSES`` lists every class of the installed vLLM whose source reads
+the DCP world itself, with what the plugin does about it; a test walks vLLM's
+model sources and fails on a class that is in neither table. Pure: no vLLM
+import.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+LAYER_CLASS_ATTR = "_vllm_dcp_geometry_layer_class"
+"""Set by a model patch on the generic layer a model-owned wrapper registers
+in the forward context, naming the wrapper (``module.qualname``): the class
+whose code really reads that layer's cache."""
+
+
+class LayerBinding(str, enum.Enum):
+    """What the plugin changes on a layer of a group with K < D."""
+
+    IMPL = "impl"
+    """``layer.impl``: plain local attention for K = 1; for 1 < K < D the impl
+    keeps D and its ``dcp_combine`` is replica-masked (``Attention`` reads
+    only its impl's DCP world)."""
+
+    MLA = "mla"
+    """``layer.impl`` and ``layer.dcp_manager``: local for K = 1; for
+    1 < K < D the decode kernel runs in the shard world ``(K, r % K)`` and
+    the layer's combine is replica-masked (``MLAAttention.forward_impl``
+    reads its impl's DCP world)."""
+
+    KIMI_K3_MLA = "kimi-k3-mla"
+    """As ``MLA``, plus the layer's own DCP gate (``layer.dcp_world_size``,
+    which decides the query all-gather, the LSE combine and the prefill
+    context path): 1 for K = 1, D otherwise. Needs the patch
+    ``patches.worker.kimi_k3_mla``, which registers the binder."""
+
+    NONE = "none"
+    """Nothing: the layer has no impl and reads only the builder's metadata,
+    which the group's builder already builds in the group's world. Only
+    K = 1 (a world-1 builder) is taught for such a layer."""
+
+
+@dataclass(frozen=True)
+class TaughtLayer:
+    """A layer class the plugin taught a group's K."""
+
+    path: str
+    """``module.qualname`` of the class found in the forward context (or
+    named by ``LAYER_CLASS_ATTR``)."""
+
+    mla: bool
+    """Whether its cache is an MLA cache (vLLM reads MLA caches with K = D)."""
+
+    binding: LayerBinding
+    partial: bool
+    """Whether 1 < K < D is taught (K = 1 always is)."""
+
+    why_not_partial: str = ""
+    """Why 1 < K < D is refused for this class (``partial`` False)."""
+
+
+_GENERIC_ATTENTION = "vllm.model_executor.layers.attention.attention.Attention"
+_GENERIC_MLA = "vllm.model_executor.layers.attention.mla_attention.MLAAttention"
+KIMI_K3_MLA = "vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention"
+FLINT_ATTENTION = "vllm.models.flint.model.FlintAttention"
+
+_NO_IMPL_PARTIAL = (
+    "the layer has no attention impl: it reads the builder's lengths and block "
+    "table with its own kernel, which knows no shard world or combine"
+)
+
+TAUGHT_LAYERS: dict[str, TaughtLayer] = {
+    layer.path: layer
+    for layer in (
+        TaughtLayer(_GENERIC_ATTENTION, False, LayerBinding.IMPL, True),
+        TaughtLayer(_GENERIC_MLA, True, LayerBinding.MLA, True),
+        # Target, KimiK3MTP and the DSpark draft (K3DSparkDecoderLayer).
+        TaughtLayer(KIMI_K3_MLA, True, LayerBinding.KIMI_K3_MLA, True),
+        TaughtLayer(
+            FLINT_ATTENTION,
+            False,
+            LayerBinding.IMPL,
+            False,
+            "Flint's low-latency decode bypasses the impl and asserts that the "
+            "FlashInfer decode has no DCP query layout, which a sharded builder "
+            "gives it",
+        ),
+        TaughtLayer(
+            "vllm.models.inkling.nvidia.attention.InklingAttention",
+            False,
+            LayerBinding.NONE,
+            False,
+            _NO_IMPL_PARTIAL,
+        ),
+        TaughtLayer(
+            "vllm.models.inkling.amd.attention.InklingAttention",
+            False,
+            LayerBinding.NONE,
+            False,
+            _NO_IMPL_PARTIAL,
+        ),
+    )
+}
+"""Every layer class the plugin taught, by ``module.qualname``."""
+
+GENERIC_LAYERS = {False: _GENERIC_ATTENTION, True: _GENERIC_MLA}
+"""The class a group without a named layer class stands for (``plan`` on a
+topology that names none), by ``mla``."""
+
+SPECIALIZED_DECODE_LAYERS = frozenset({KIMI_K3_MLA})
+"""Classes whose model may hand decode to Kimi-K3's specialized decode
+(``additional_config={"decode_backend": "latency_specialized"}``), which runs
+its own DCP mailboxes on the global D and bypasses the impl."""
+
+
+def taught_layer(path: str | None, mla: bool) -> TaughtLayer | None:
+    """The taught entry for ``path`` (the generic class where None), or None
+    where the class is not taught for a cache of this kind."""
+    taught = TAUGHT_LAYERS.get(GENERIC_LAYERS[mla] if path is None else path)
+    if taught is None or taught.mla != mla:
+        return None
+    return taught
+
+
+def layer_class_path(layer: Any) -> str:
+    """The class whose code reads ``layer``'s cache: the model-owned wrapper
+    a model patch named on it, else the layer's own class."""
+    named = getattr(layer, LAYER_CLASS_ATTR, None)
+    if isinstance(named, str):
+        return named
+    cls = type(layer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# Binders registered by model patches ------------------------------------------------
+
+LayerBinder = Callable[[Any, Any, str], None]
+"""``binder(layer, geometry, layer_name)``: bind one layer of a group."""
+
+LAYER_BINDERS: dict[LayerBinding, tuple[str, LayerBinder]] = {}
+"""Binders that live in a model patch, by binding: (patch module, binder).
+A model patch adds its entry in ``apply()`` (undone with it)."""
+
+BINDING_PATCHES = {LayerBinding.KIMI_K3_MLA: "patches.worker.kimi_k3_mla"}
+"""The patch that must have registered each such binding's binder."""
+
+
+# The audit ---------------------------------------------------------------------------
+
+
+class Disposition(str, enum.Enum):
+    TAUGHT = "taught"
+    """In ``TAUGHT_LAYERS``: bound per the group's K."""
+
+    GENERIC = "generic underneath"
+    """Wraps a generic ``Attention``/``MLAAttention`` (the class the plugin
+    binds); its own DCP read is the one in ``note``."""
+
+    REFUSED = "refused"
+    """Not taught: only vLLM's own K runs; the plugin refuses every other K."""
+
+    VLLM_REFUSES = "refused by vLLM"
+    """vLLM 0.33.0 itself refuses DCP for it at start-up."""
+
+    NOT_A_LAYER = "not a layer"
+    """A helper (builder, impl, indexer op, config) of a layer listed here."""
+
+
+@dataclass(frozen=True)
+class AuditedClass:
+    path: str
+    disposition: Disposition
+    note: str
+
+
+_A = AuditedClass
+_D = Disposition
+AUDITED_CLASSES: dict[str, AuditedClass] = {
+    entry.path: entry
+    for entry in (
+        _A(
+            "vllm.models.beam.nvidia.attention.BeamAttention",
+            _D.GENERIC,
+            "reads attn.impl.dcp_world_size once to enable a fused KV insert; "
+            "it stays off for K = 1 groups (performance only)",
+        ),
+        _A(
+            "vllm.models.beam.nvidia.dflash2.DFlash2BeamAttention",
+            _D.GENERIC,
+            "asserts impl.dcp_world_size == 1: Model Runner V2 builds the draft "
+            "at DCP 1 (K = 1); 'sharded' on it is refused (impl world != D)",
+        ),
+        _A(
+            "vllm.models.beam.nvidia.dflash2.DFlash2BeamModel",
+            _D.NOT_A_LAYER,
+            "the DFlash2BeamAttention model; same impl-world assertion",
+        ),
+        _A(
+            "vllm.models.deepseek_v32.attention.DeepseekV32Attention",
+            _D.REFUSED,
+            "sparse MLA with its indexer: D from the parallel config per call",
+        ),
+        _A(
+            "vllm.models.deepseek_v41.nvidia.model.DeepseekV4Model",
+            _D.VLLM_REFUSES,
+            "requires DCP = 1 for PCP and specialized decode; its SWA caches "
+            "assert under DCP",
+        ),
+        _A(
+            "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder",
+            _D.NOT_A_LAYER,
+            "builder of Dots3NoteSlidingAttention: taught for K = 1 only "
+            "(attention_admission.LOCAL_ONLY_BUILDERS)",
+        ),
+        _A(
+            "vllm.models.dots3_note.nvidia.model.Dots3NoteSlidingAttention",
+            _D.GENERIC,
+            "MLAAttention over Dots3NoteMLAMetadataBuilder, which raises for "
+            "prefills in a DCP world: K = 1 runs it in world 1",
+        ),
+        _A(
+            FLINT_ATTENTION,
+            _D.TAUGHT,
+            "K = 1 only: its fast decode asserts on DCP decode metadata",
+        ),
+        _A(
+            "vllm.models.glm5next.amd.sparse_indexer.SparseAttnIndexerKpool",
+            _D.VLLM_REFUSES,
+            "raises under DCP on ROCm",
+        ),
+        _A(
+            "vllm.models.glm5next.nvidia.sparse_indexer.SparseAttnIndexerKpool",
+            _D.NOT_A_LAYER,
+            "the GLM-5.3-Flash indexer op: D and r fixed at construction; its "
+            "cache is an MLA indexer cache, refused for K < D",
+        ),
+        _A(
+            "vllm.models.kimi_k3.amd.mla.KimiK3MultiHeadLatentAttentionWrapper",
+            _D.GENERIC,
+            "reads impl.dcp_world_size once for its fused Q-prep (stays off "
+            "for K = 1: performance only)",
+        ),
+        _A(KIMI_K3_MLA, _D.TAUGHT, "K = 1 local, 1 < K < D exact"),
+        _A(
+            "vllm.models.kimi_k3.nvidia.specialized_decode.cutedsl.mla.dcp.DcpBox",
+            _D.NOT_A_LAYER,
+            "Kimi-K3 specialized decode: K < D refused on its groups",
+        ),
+        _A(
+            "vllm.models.kimi_k3.nvidia.specialized_decode.cutedsl.mla.prepared."
+            "PreparedMla",
+            _D.NOT_A_LAYER,
+            "Kimi-K3 specialized decode: K < D refused on its groups",
+        ),
+        _A(
+            "vllm.models.kimi_k3.nvidia.specialized_decode.cutedsl.mla.query.MlaQuery",
+            _D.NOT_A_LAYER,
+            "Kimi-K3 specialized decode: K < D refused on its groups",
+        ),
+        _A(
+            "vllm.models.kimi_k3.nvidia.specialized_decode.runtime.providers.Attention",
+            _D.NOT_A_LAYER,
+            "Kimi-K3 specialized decode: K < D refused on its groups",
+        ),
+        _A(
+            "vllm.models.minimax_m3.amd.specialized_decode.runtime.spec.DecodeConfig",
+            _D.VLLM_REFUSES,
+            "MiniMax-M3 specialized decode refuses DCP",
+        ),
+        _A(
+            "vllm.models.qwen4_exp.amd.qsa.Qwen4ExpQSAFlashAttentionImpl",
+            _D.VLLM_REFUSES,
+            "NotImplementedError under DCP at model construction",
+        ),
+        _A(
+            "vllm.models.qwen4_exp.amd.qsa.Qwen4ExpQSAAttention",
+            _D.VLLM_REFUSES,
+            "NotImplementedError under DCP at model construction",
+        ),
+        _A(
+            "vllm.models.qwen4_exp.nvidia.qsa.Qwen4ExpQSAFlashAttentionImpl",
+            _D.VLLM_REFUSES,
+            "NotImplementedError under DCP at model construction",
+        ),
+        _A(
+            "vllm.models.qwen4_exp.nvidia.qsa.Qwen4ExpQSAAttention",
+            _D.VLLM_REFUSES,
+            "NotImplementedError under DCP at model construction",
+        ),
+        _A(
+            "vllm.models.step5.nvidia.sparse_attention.Step5SplitKVFlashAttentionImpl",
+            _D.VLLM_REFUSES,
+            "its DSA impl raises for DCP > 1",
+        ),
+        _A(
+            "vllm.models.step5.nvidia.sparse_attention.Step5DSAAttentionImpl",
+            _D.VLLM_REFUSES,
+            "raises for DCP > 1",
+        ),
+        _A(
+            "vllm.model_executor.models.deepseek_v2.DeepseekV2MLAAttention",
+            _D.GENERIC,
+            "MLAAttention underneath; reads only DCP query replication, which "
+            "is refused for K < D",
+        ),
+    )
+}
+"""Every class of vLLM 0.33.0's model sources that reads the DCP world itself
+(``decode_context_parallel_size``, ``get_dcp_group``, ``dcp_world_size``, ...),
+with what the plugin does about it."""

@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.models.kimi_k3.nvidia.mla``: Kimi-K3's MLA layer follows its
+group's K.
+
+What: registers the binder of ``MultiHeadLatentAttention`` (the Kimi-K3 and
+Kimi-Linear target, KimiK3MTP and the DSpark draft) for
+``layer_classes.LayerBinding.KIMI_K3_MLA``; the MLA builder patch calls it for
+every layer of the class in a group with K < D. The binder does what the
+generic MLA binding does to the layer's impl and DCP manager
+(``mla_geometry.bind_mla_layer``) and sets the layer's own DCP gate,
+``layer.dcp_world_size``: 1 for K = 1 (decode without query all-gather or
+LSE combine, prefill context through the layer's DCP1
+``_compute_prefill_context`` over the DCP1 chunk plan the local builder
+makes), D for 1 < K < D (the D-wide gather, the replica-masked combine and
+the impl's context-parallel prefill path, exactly as ``MLAAttention``).
+Nothing is wrapped; the layer's forward methods it relies on are pinned.
+
+Why: the class is not vLLM's ``MLAAttention``: it decides its DCP path on its
+own ``dcp_world_size`` (from the parallel config), so a local impl alone
+leaves it all-gathering D*H query heads and asserting on a missing LSE.
+
+Remove with: ``patches.worker.mla_attention`` (its builder patch is the only
+caller of this binder). Remove when: the layer takes its group's DCP shard
+count (or vLLM's MLA does).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol, set_item
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.layer_classes import (
+    KIMI_K3_MLA,
+    LAYER_BINDERS,
+    LayerBinding,
+)
+from vllm_dcp_geometry.mla_geometry import bind_mla_layer
+
+UPSTREAM_MODULE = "vllm.models.kimi_k3.nvidia.mla"
+RUNS_IN = "worker"
+WHY = (
+    "Kimi-K3's MLA layer gates its query all-gather, LSE combine and prefill "
+    "context path on its own dcp_world_size, not its impl's."
+)
+REMOVE_WHEN = "Kimi-K3's MLA layer takes its group's DCP shard count"
+RELATED = "none upstream: the layer reads the parallel config's DCP size"
+
+_M = UPSTREAM_MODULE
+PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+    # Relied on: the three places the layer reads its own dcp_world_size.
+    UpstreamSymbol(
+        _M,
+        "MultiHeadLatentAttention._attention",
+        "self, positions, q, kv_c_normed, k_pe, attn_out",
+    ),
+    UpstreamSymbol(
+        _M,
+        "MultiHeadLatentAttention._forward_prefill_fused",
+        "self, q, kv_c_normed, k_pe, positions, cos_sin_cache, slot_mapping, "
+        "attn_metadata, out",
+    ),
+    UpstreamSymbol(
+        _M,
+        "MultiHeadLatentAttention._compute_prefill_context",
+        "self, q, attn_metadata",
+    ),
+)
+
+
+def bind_kimi_k3_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
+    """Bind one ``MultiHeadLatentAttention`` to its group (idempotent)."""
+    if layer.dcp_world_size not in (1, geometry.dcp_world_size):
+        raise DcpGeometryError(
+            f"{geometry.describe()}: layer {layer_name} ({KIMI_K3_MLA}) gates DCP "
+            f"on a world size of {layer.dcp_world_size}, not the group's D"
+        )
+    bind_mla_layer(layer, geometry, layer_name)
+    layer.dcp_world_size = 1 if geometry.is_replicated else geometry.dcp_world_size
+
+
+def apply(module: ModuleType) -> None:
+    cls = module.MultiHeadLatentAttention
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    if path != KIMI_K3_MLA:
+        raise UpstreamChangedError(
+            f"Kimi-K3's MLA layer is {path}, not the taught {KIMI_K3_MLA}"
+        )
+    set_item(LAYER_BINDERS, LayerBinding.KIMI_K3_MLA, (__name__, bind_kimi_k3_layer))
