@@ -129,6 +129,25 @@ def local_only_builder(backend: str) -> str | None:
     return None
 
 
+ATTENTION_FEATURES = {
+    "sinks": "attention sinks (s_aux)",
+    "rswa_mask": "the R-SWA mask_mod",
+    "mm_prefix_mask": "the multimodal-prefix mask_mod",
+}
+"""Attention features a layer may use that a backend's DCP path can drop,
+by the name topologies use (``attention_features``)."""
+
+DCP_DROPPED_FEATURES: dict[str, frozenset[str]] = {
+    # FlashAttentionImpl._forward_with_dcp passes neither s_aux nor mask_mod
+    # to its kernels (it keeps ALiBi, the sliding window and the soft-cap);
+    # K = 1 runs the single-device path, which passes them.
+    "FLASH_ATTN": frozenset(ATTENTION_FEATURES),
+}
+"""Features each backend's DCP attention path (every K > 1, K = D included)
+silently drops. FlashInfer refuses sinks under DCP itself (outside TRTLLM)
+and no other feature here reaches it; vLLM's dense MLA has none of them."""
+
+
 INTERLEAVE_ONE_ONLY_BACKENDS = frozenset({"FLASHINFER_MLA"})
 """Backends whose builder refuses ``cp_kv_cache_interleave_size != 1``
 whenever DCP is on (it reads the parallel config, not the group)."""
@@ -249,6 +268,7 @@ def admit_attention(
     layer_name: str | None = None,
     impl_dcp_world_size: int | None = None,
     specialized_decode: bool = False,
+    layer_features: frozenset[str] = frozenset(),
 ) -> AttentionAdmission:
     """How ``owner``'s attention runs (see the module docstring).
 
@@ -261,7 +281,7 @@ def admit_attention(
     kind), ``layer_name`` one of its layers, ``impl_dcp_world_size`` the DCP
     world its attention impl was built for (None: D, as vLLM builds target
     layers), ``specialized_decode`` whether Kimi-K3's specialized decode is
-    on.
+    on, ``layer_features`` the ``ATTENTION_FEATURES`` the layer uses.
     """
     # The contract's rules for D and K (rank 0 stands for any rank).
     GroupGeometry(owner, shard_count, dcp_world_size, 0)
@@ -275,6 +295,16 @@ def admit_attention(
         f"{owner}: {describe_layer(layer_name, layer_class, mla)}, "
         f"attention backend {backend}, K={k}, D={d}"
     )
+    dropped = sorted(layer_features & DCP_DROPPED_FEATURES.get(backend or "", set()))
+    if k > 1 and dropped:
+        return _refusal(
+            head,
+            f"its DCP attention path drops "
+            f"{', '.join(ATTENTION_FEATURES[f] for f in dropped)}, which the layer "
+            "uses: the output would be silently wrong",
+            f"use K=1 ('replicated') for this layer (its single-device {backend} "
+            "path keeps them) or another backend",
+        )
     if k == d:
         if impl_dcp_world_size is not None and impl_dcp_world_size != d:
             return impl_world_refusal(head, impl_dcp_world_size)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.attention_admission import (
+    DCP_DROPPED_FEATURES,
     TAUGHT_BACKENDS,
     AttentionAdmission,
     AttentionKind,
@@ -258,23 +259,59 @@ def specialized_decode_enabled(vllm_config: Any) -> bool:
     return additional.get("decode_backend") == SPECIALIZED_DECODE_BACKEND
 
 
-def group_layer_classes(
-    vllm_config: Any, layer_names: Sequence[str]
-) -> list[tuple[str, str, int | None]]:
-    """(layer name, layer class, impl DCP world) of the first layer of each
-    class in the group; a layer missing from the forward context is named
-    as such (no taught class, so only vLLM's K runs)."""
+@dataclasses.dataclass(frozen=True)
+class LayerFacts:
+    """What admission reads of one layer of a group."""
+
+    name: str
+    layer_class: str
+    impl_dcp_world_size: int | None
+    features: frozenset[str]
+
+
+def model_attention_features(vllm_config: Any) -> frozenset[str]:
+    """Model-wide features a FlashAttention builder turns into a mask_mod
+    (the R-SWA window, a multimodal prefix LM), as the builder reads them."""
+    model_config = vllm_config.model_config
+    features = set()
+    if getattr(model_config, "rswa_window", None) is not None:
+        features.add("rswa_mask")
+    if getattr(model_config, "is_mm_prefix_lm", False):
+        features.add("mm_prefix_mask")
+    return frozenset(features)
+
+
+def group_layer_facts(
+    vllm_config: Any, layer_names: Sequence[str], backend: str
+) -> list[LayerFacts]:
+    """The facts of the first layer of each (class, features) in the group;
+    a layer missing from the forward context is named as such (no taught
+    class, so only vLLM's K runs). Features are read only for a backend
+    whose DCP path drops some (``DCP_DROPPED_FEATURES``)."""
     context = vllm_config.compilation_config.static_forward_context
-    seen: dict[str, tuple[str, str, int | None]] = {}
+    model_features: frozenset[str] = frozenset()
+    if backend in DCP_DROPPED_FEATURES:
+        model_features = model_attention_features(vllm_config)
+    seen: dict[tuple[str, frozenset[str]], LayerFacts] = {}
     for name in layer_names:
         layer = context.get(name)
         if layer is None:
-            path = "not in the forward context"
-            world = None
+            facts = LayerFacts(name, "not in the forward context", None, frozenset())
         else:
-            path = layer_class_path(layer)
-            world = getattr(getattr(layer, "impl", None), "dcp_world_size", None)
-        seen.setdefault(path, (name, path, world))
+            impl = getattr(layer, "impl", None)
+            features = set(model_features)
+            if (
+                backend in DCP_DROPPED_FEATURES
+                and getattr(impl, "sinks", None) is not None
+            ):
+                features.add("sinks")
+            facts = LayerFacts(
+                name,
+                layer_class_path(layer),
+                getattr(impl, "dcp_world_size", None),
+                frozenset(features),
+            )
+        seen.setdefault((facts.layer_class, facts.features), facts)
     return list(seen.values())
 
 
@@ -287,13 +324,14 @@ def admit_group(
     layer_names: Sequence[str],
 ) -> AttentionAdmission:
     """``attention_admission.admit_attention`` for a group on this worker,
-    once per layer class of the group (the first refusal wins)."""
+    once per layer class (and feature set) of the group; the first refusal
+    wins."""
     parallel_config = vllm_config.parallel_config
     default = geometry.default_shard_count
     replicate = layers_replicate_queries(vllm_config, layer_names)
     specialized = specialized_decode_enabled(vllm_config)
     admission = None
-    for name, path, impl_world in group_layer_classes(vllm_config, layer_names):
+    for facts in group_layer_facts(vllm_config, layer_names, backend):
         admission = admit_attention(
             owner=geometry.owner,
             kind=kind,
@@ -304,10 +342,11 @@ def admit_group(
             pcp_world_size=parallel_config.prefill_context_parallel_size,
             interleave_size=geometry.interleave_size,
             dcp_q_replicate=replicate,
-            layer_class=path,
-            layer_name=name,
-            impl_dcp_world_size=impl_world,
+            layer_class=facts.layer_class,
+            layer_name=facts.name,
+            impl_dcp_world_size=facts.impl_dcp_world_size,
             specialized_decode=specialized,
+            layer_features=facts.features,
         )
         if admission.refused:
             return admission

@@ -218,6 +218,7 @@ def group_attention(
         interleave_size=topology.interleave_size,
         layer_class=layer_class,
         layer_name=group.layers[0],
+        layer_features=frozenset(group.attention_features),
     )
     return {
         "layer_class": layer_class,

@@ -46,6 +46,9 @@ class CacheGroup:
     layer_class: str | None = None
     """``module.qualname`` of the attention layer class that reads the cache
     (None: vLLM's generic ``Attention``/``MLAAttention``)."""
+    attention_features: tuple[str, ...] = ()
+    """``attention_admission.ATTENTION_FEATURES`` the layers use (sinks, a
+    mask_mod), which some backends' DCP paths drop."""
 
     @property
     def is_attention(self) -> bool:
@@ -85,6 +88,11 @@ class CacheGroup:
             "draft": self.draft,
             "layers": list(self.layers),
             **({"layer_class": self.layer_class} if self.layer_class else {}),
+            **(
+                {"attention_features": list(self.attention_features)}
+                if self.attention_features
+                else {}
+            ),
             **{k: _jsonable(v) for k, v in sorted(self.spec_fields.items())},
         }
 

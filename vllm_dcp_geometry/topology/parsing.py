@@ -79,6 +79,7 @@ _GROUP_KEYS = frozenset(
         "block_size",
         "draft",
         "layer_class",
+        "attention_features",
     }
 )
 _TOP_KEYS = frozenset(
@@ -202,6 +203,7 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         if kind not in ATTENTION_KINDS:
             raise TopologyError(f"{where}: only attention groups have a layer_class")
         _layer_class(layer_class, where)
+    features = _attention_features(raw.get("attention_features", []), kind, where)
     return CacheGroup(
         name=name,
         kind=kind,
@@ -210,7 +212,23 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         draft=draft,
         spec_fields=spec_fields,
         layer_class=layer_class,
+        attention_features=features,
     )
+
+
+def _attention_features(value: Any, kind: str, where: str) -> tuple[str, ...]:
+    """Attention features the group's layers use (``attention_sinks`` ...),
+    which some backends' DCP paths drop."""
+    from vllm_dcp_geometry.attention_admission import ATTENTION_FEATURES
+
+    names = sorted(ATTENTION_FEATURES)
+    if not isinstance(value, list) or not all(v in ATTENTION_FEATURES for v in value):
+        raise TopologyError(
+            f"{where}: attention_features must be a list of {names}, got {show(value)}"
+        )
+    if value and kind not in ATTENTION_KINDS:
+        raise TopologyError(f"{where}: only attention groups have attention_features")
+    return tuple(sorted(set(value)))
 
 
 def _layer_class(value: Any, where: str) -> str:

@@ -32,8 +32,15 @@ Why: vLLM 0.33.0 takes (D, r) or (1, 0) from the boolean ``dcp_sharded``, and
 its impls take the global D; a partial group would read a K-sharded cache with
 D-shard lengths, and a replicated target group would skip its cached context.
 
+Where K > 1 (K = D included) the layers must not use what the DCP path,
+``FlashAttentionImpl._forward_with_dcp``, drops: attention sinks and the
+R-SWA / multimodal-prefix mask_mods. Admission refuses them (for vLLM's own
+K = D after the upstream constructor ran), naming layer, feature and backend;
+K = 1 runs the single-device path, which keeps them.
+
 Hand-back: D == 1, or K equal to vLLM's own per-spec choice, runs the upstream
-constructor untouched (a replicated group still gets local impls).
+constructor untouched (a replicated group still gets local impls; a K = D
+group is then admitted for the features above).
 
 Remove when: upstream FlashAttention takes a per-group shard count.
 """
@@ -119,6 +126,10 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
             original(self, kv_cache_spec, layer_names, vllm_config, device)
             if geometry is None:
                 return
+            if not geometry.needs_admission:
+                # vLLM's own K = D: its DCP path still drops sinks and
+                # mask_mods, which admission refuses for the layers using them.
+                admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
         else:
             with use_group_geometry(geometry):
                 original(self, kv_cache_spec, layer_names, vllm_config, device)

@@ -12,7 +12,9 @@ the DCP world its impl was built for, its backend and the DCP modes (PCP,
 MLA query replication, interleave, Kimi-K3's specialized decode). A refused
 group raises ``DcpGeometryError`` naming the group, layer, layer class,
 backend, K and D; ``vllm-dcp-geometry plan`` prints the same decision.
-Groups with vLLM's default K = D, or D = 1, go straight to upstream.
+Groups with vLLM's default K = D, or D = 1, go straight to upstream, except
+on a backend whose DCP path drops attention features a layer may use
+(FLASH_ATTN: sinks, mask_mods), where upstream is wrong for such a layer.
 
 Why: a backend the plugin has not taught a group's K reads every cache with
 vLLM's own geometry (the global D for MLA and most backends); running it on a
@@ -28,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.attention_admission import DCP_DROPPED_FEATURES
 from vllm_dcp_geometry.attention_geometry import (
     admit_group,
     attention_kind,
@@ -70,13 +73,16 @@ def admit_attention_group(group: Any, vllm_config: Any) -> None:
         vllm_config,
         index=group.kv_cache_group_id,
     )
-    if geometry is None or not geometry.needs_admission:
+    if geometry is None:
         return
     backend = group.backend
+    name = backend.get_name()
+    if not geometry.needs_admission and name not in DCP_DROPPED_FEATURES:
+        return
     admit_group(
         geometry,
         kind=attention_kind(group.kv_cache_spec, backend),
-        backend=backend_label(backend.get_name(), backend.get_builder_cls()),
+        backend=backend_label(name, backend.get_builder_cls()),
         vllm_config=vllm_config,
         layer_names=group.layer_names,
     ).check()
