@@ -270,7 +270,8 @@ def admit_attention(
     specialized_decode: bool = False,
     layer_features: frozenset[str] = frozenset(),
 ) -> AttentionAdmission:
-    """How ``owner``'s attention runs (see the module docstring).
+    """How ``owner``'s attention runs (see the module docstring): contract
+    rule A4, and P1's refusal of K < D with PCP.
 
     ``default_shard_count`` is the contract's reading of the spec's
     ``dcp_sharded`` (D or 1); ``backend`` is vLLM's backend name

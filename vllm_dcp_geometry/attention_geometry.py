@@ -121,7 +121,8 @@ def check_rebind(obj: Any, geometry: GroupGeometry, what: str) -> bool:
 
 
 def make_impl_local(impl: Any) -> None:
-    """Run a replicated group's impl as plain local attention (no DCP pass).
+    """Rule A2: run a replicated group's impl as plain local attention (no
+    DCP pass).
 
     ``need_to_return_lse_for_decode`` is left as is: the runner's start-up
     check reads it for every target layer, and it only matters on DCP paths.
@@ -146,7 +147,8 @@ def make_impl_local(impl: Any) -> None:
 
 
 def mask_duplicate_replica_lse(lse: torch.Tensor, replica: int) -> torch.Tensor:
-    """LSE to hand to a D-rank combine from replica ``q`` of a partial group.
+    """Rule A3: the LSE to hand to a D-rank combine from replica ``q`` of a
+    partial group.
 
     Each shard is held by D/K identical replicas; counting all of them scales
     the combined softmax denominator by D/K (LSE + ln(D/K)). Only replica 0

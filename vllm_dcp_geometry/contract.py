@@ -6,7 +6,9 @@ This module is the single source of truth for how a KV-cache group lays out
 token positions under decode context parallelism (DCP). It imports nothing from
 vLLM, so it can be read, tested and used (the CLI, the benchmarks) on its own.
 
-Symbols, as in the contract document:
+The rules are written out, numbered, with a worked table, in
+``docs/contract.md``; each function here names the rule it applies
+(``R1`` ... ``P1``). Symbols:
 
 - ``D``: DCP world size, ``r`` in ``[0, D)`` a rank of the DCP group.
 - ``K``: a group's token-position shard count; rank ``r`` stores shard
@@ -57,7 +59,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def check_dcp_world_size(dcp_world_size: int) -> None:
-    """Rule 1: the DCP world size is a positive integer."""
+    """Rule R1: the DCP world size is a positive integer."""
     if isinstance(dcp_world_size, bool) or not isinstance(dcp_world_size, int):
         raise DcpGeometryError(
             f"DCP world size must be an integer, got {dcp_world_size!r}"
@@ -81,6 +83,19 @@ def check_shard_count_value(owner: str, dcp_kv_shard_count: int | None) -> None:
         )
 
 
+def check_shard_count_divides(
+    owner: str, shard_count: int, dcp_world_size: int, name: str = "dcp_kv_shard_count"
+) -> None:
+    """Rule R6: ``1 <= K <= D`` and ``D % K == 0`` - the one check every
+    caller uses (specs, group geometries, operator overrides)."""
+    k, d = shard_count, dcp_world_size
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d or d % k:
+        raise DcpGeometryError(
+            f"{owner}: {name} K={k!r} must divide the DCP world size D={d} "
+            "(1 <= K <= D, D % K == 0)"
+        )
+
+
 def resolve_shard_count(
     *,
     owner: str,
@@ -88,7 +103,7 @@ def resolve_shard_count(
     dcp_world_size: int,
     dcp_kv_shard_count: int | None = None,
 ) -> int:
-    """Token-position shard count K of one layer's cache (rules 1-6).
+    """Token-position shard count K of one layer's cache (rules R1-R6).
 
     ``owner`` names the spec or layer for error messages.
     """
@@ -116,17 +131,12 @@ def resolve_shard_count(
     if dcp_kv_shard_count is None:
         return dcp_world_size
     check_shard_count_value(owner, dcp_kv_shard_count)
-    k = dcp_kv_shard_count
-    if k > dcp_world_size or dcp_world_size % k != 0:
-        raise DcpGeometryError(
-            f"{owner}: dcp_kv_shard_count K={k} must divide the DCP world size "
-            f"D={dcp_world_size} (1 <= K <= D, D % K == 0)"
-        )
-    return k
+    check_shard_count_divides(owner, dcp_kv_shard_count, dcp_world_size)
+    return dcp_kv_shard_count
 
 
 def resolve_uniform_shard_count(owner: str, layer_counts: Mapping[str, int]) -> int:
-    """Rule 7: the layers of one aggregate spec share a single K."""
+    """Rule R7: the layers of one aggregate spec share a single K."""
     if not layer_counts:
         raise DcpGeometryError(f"{owner}: an aggregate spec without layers has no K")
     distinct = set(layer_counts.values())
@@ -171,11 +181,7 @@ class GroupGeometry:
             raise DcpGeometryError(
                 f"{self.owner}: DCP rank {r!r} is outside the group of size {d}"
             )
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or d % k != 0:
-            raise DcpGeometryError(
-                f"{self.owner}: shard count K={k!r} must divide the DCP world size "
-                f"D={d} (1 <= K <= D, D % K == 0)"
-            )
+        check_shard_count_divides(self.owner, k, d, name="shard count")
         if self.interleave_size < 1:
             raise DcpGeometryError(
                 f"{self.owner}: interleave size must be >= 1, got "
@@ -239,7 +245,8 @@ class GroupGeometry:
 def check_prefill_context_parallel(
     owner: str, shard_count: int, dcp_world_size: int, pcp_world_size: int
 ) -> None:
-    """PCP keeps upstream behaviour, which knows K in {1, D} only: a partial
+    """Rule P1 (its partial-K half; admission refuses K < D): PCP keeps
+    upstream behaviour, which knows K in {1, D} only: a partial
     K (1 < K < D) together with prefill context parallelism > 1 is refused."""
     if pcp_world_size > 1 and 1 < shard_count < dcp_world_size:
         raise DcpGeometryError(
@@ -251,20 +258,20 @@ def check_prefill_context_parallel(
 
 
 def virtual_block_size(block_size: int, shard_count: int) -> int:
-    """``V = B * K``: tokens one block-table column covers."""
+    """``V = B * K``: tokens one block-table column covers (rules W1, S1)."""
     return block_size * shard_count
 
 
 def attention_block_table_width(max_len: int, block_size: int, shard_count: int) -> int:
-    """Columns an attention group needs to address ``max_len`` tokens:
-    ``cdiv(L, B * K)``."""
+    """Rule W1: columns an attention group needs to address ``max_len``
+    tokens, ``cdiv(L, B * K)``."""
     return cdiv(max_len, virtual_block_size(block_size, shard_count))
 
 
 def recurrent_align_block_table_width(
     max_len: int, block_size: int, num_speculative_blocks: int
 ) -> int:
-    """Columns of a recurrent group in align mode: rows are position-indexed
+    """Rule W2: columns of a recurrent group in align mode: rows are position-indexed
     over the whole sequence, ``cdiv(L, B) + num_speculative_blocks``."""
     return cdiv(max_len, block_size) + num_speculative_blocks
 
@@ -272,13 +279,13 @@ def recurrent_align_block_table_width(
 def full_attention_pages_per_request(
     max_len: int, block_size: int, shard_count: int
 ) -> int:
-    """Pages one rank reserves for a full-attention request:
+    """Rule M1: pages one rank reserves for a full-attention request,
     ``cdiv(cdiv(L, K), B)``."""
     return cdiv(cdiv(max_len, shard_count), block_size)
 
 
 def scheduler_block_size(virtual_block_sizes: Iterable[int]) -> int:
-    """The LCM over groups of ``V = B * K``: the unit every group's blocks
+    """Rule S1: the LCM over groups of ``V = B * K``, the unit every group's blocks
     tile evenly (prefix-cache hashing and scheduler block size)."""
     sizes = list(virtual_block_sizes)
     if not sizes:
@@ -287,7 +294,7 @@ def scheduler_block_size(virtual_block_sizes: Iterable[int]) -> int:
 
 
 def check_interleave(block_size: int, shard_count: int, interleave_size: int) -> None:
-    """The interleave ``I`` must be positive and divide ``B`` when K > 1, so a
+    """Rule L2: the interleave ``I`` must be positive and divide ``B`` when K > 1, so a
     virtual block holds whole interleave runs of every shard."""
     if interleave_size < 1:
         raise DcpGeometryError(f"interleave size must be >= 1, got {interleave_size}")
@@ -305,7 +312,7 @@ def local_seq_len(
     interleave_size: int,
     shard: int,
 ) -> int:
-    """Positions ``< seq_len`` that shard ``shard`` stores."""
+    """Rule A1: positions ``< seq_len`` that shard ``shard`` stores."""
     check_interleave(block_size, shard_count, interleave_size)
     if not 0 <= shard < shard_count:
         raise DcpGeometryError(f"shard {shard} is outside [0, {shard_count})")
@@ -327,7 +334,10 @@ def reference_slot_mapping(
     interleave_size: int,
     shard: int,
 ) -> np.ndarray:
-    """Slot of every position on the rank storing ``shard``, or ``PAD_SLOT_ID``.
+    """Rule L1: slot of every position on the rank storing ``shard``, or
+    ``PAD_SLOT_ID``; over the K shards of one replica it gives every position
+    exactly one slot (rule L3, which ``replay``, ``simulate`` and the tests
+    check on vLLM's real tables and kernels).
 
     ``vb = p // V``, ``o = p % V``; owner ``(o // I) % K``; local offset
     ``(o // (I*K)) * I + o % I``; slot ``row[vb] * B + local`` where the owner

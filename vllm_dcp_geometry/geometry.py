@@ -133,7 +133,7 @@ BLOCK_TABLE_ENTRY_BYTES = 4
 
 
 def runner_table_width(spec: Any, max_num_blocks: int) -> int:
-    """Columns of a worker's block table for ``spec``: ``max_num_blocks``
+    """Rule W3: columns of a worker's block table for ``spec``: ``max_num_blocks``
     (``spec.max_num_blocks_per_req``) aligned by vLLM's own
     ``get_block_table_width`` to ``spec.block_table_token_alignment``, as
     both model runners size their tables."""

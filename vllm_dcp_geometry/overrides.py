@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Operator overrides of per-layer DCP geometry, from ``--additional-config``.
+"""Operator overrides of per-layer DCP geometry, from ``--additional-config``
+(contract rule C1).
 
 ``--additional-config '{"dcp_geometry": {"layers": {GLOB: VALUE}}}'`` where
 ``GLOB`` is an ``fnmatch`` pattern over layer names (case-sensitive,
@@ -51,6 +52,7 @@ from vllm_dcp_geometry.contract import (
     TokenLayout,
     check_dcp_world_size,
     check_prefill_context_parallel,
+    check_shard_count_divides,
     resolve_shard_count,
 )
 
@@ -203,11 +205,7 @@ def override_shard_count(
         return 1
     assert isinstance(override.value, int)
     if dcp_world_size == 1:
-        if override.value != 1:
-            raise DcpGeometryError(
-                f"{owner}: dcp_kv_shard_count K={override.value} must divide the "
-                f"DCP world size D=1 (1 <= K <= D, D % K == 0)"
-            )
+        check_shard_count_divides(owner, override.value, 1)
         return 1
     return resolve_shard_count(
         owner=owner,

@@ -63,7 +63,8 @@ class CacheGroup:
 
     @property
     def dcp_sharded(self) -> bool:
-        # Draft layers that run at DCP1 under a DCP target are replicated.
+        # Contract rule DR1: draft layers that run at DCP1 under a DCP target
+        # are replicated.
         default = self.is_attention and not self.draft
         return bool(self.spec_fields.get("dcp_sharded", default))
 
