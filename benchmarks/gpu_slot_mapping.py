@@ -55,7 +55,7 @@ def _build_tables(
 ) -> tuple[Any, list[str]]:
     from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
 
-    from vllm_dcp_geometry.cli import _vllm
+    from vllm_dcp_geometry import vllm_objects as _vllm
 
     dcp = topology.decode_context_parallel_size
     interleave = topology.interleave_size
@@ -213,7 +213,7 @@ def child(patched: bool, cpu: bool) -> dict[str, Any]:
         vllm_dcp_geometry.register()
     import torch
 
-    from vllm_dcp_geometry.cli import _vllm
+    from vllm_dcp_geometry import vllm_objects as _vllm
     from vllm_dcp_geometry.topology import load_profile
 
     if _vllm.is_vllm_patched() != patched:

@@ -91,7 +91,7 @@ def build_manager(
     request of each length in ``lengths`` at once (by vLLM's own per-request
     rule, plus a page per group of headroom); built by the CLI's
     ``_vllm.build_kv_cache_manager``, as ``replay`` builds it."""
-    from vllm_dcp_geometry.cli import _vllm
+    from vllm_dcp_geometry import vllm_objects as _vllm
 
     config = _vllm.sizing_config(topology, enable_prefix_caching=caching)
     specs = [_vllm.build_spec(g, topology, patched=patched) for g in topology.groups]

@@ -91,7 +91,7 @@ def test_refused_group_exits_2_with_the_start_up_message(capsys) -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.worker.utils import AttentionGroup
 
-    from vllm_dcp_geometry.cli import _vllm
+    from vllm_dcp_geometry import vllm_objects as _vllm
 
     # TOKENSPEED_MLA runs the DSpark draft under DCP in vLLM, but the plugin
     # has not taught it a K.
@@ -137,7 +137,7 @@ def test_non_causal_dcp_backends_are_vllms() -> None:
     backend classes say (FLASH_ATTN_MLA and a few others need CUDA)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_dcp_geometry.cli.plan import NON_CAUSAL_DCP_MLA_BACKENDS
+    from vllm_dcp_geometry.cli.plan.attention import NON_CAUSAL_DCP_MLA_BACKENDS
 
     checked = 0
     for member in AttentionBackendEnum:

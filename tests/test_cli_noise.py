@@ -19,7 +19,10 @@ import warnings
 import pytest
 
 from tests.subprocess_runner import REPO_ROOT
-from vllm_dcp_geometry.cli._noise import THIRD_PARTY_NOTE, third_party_noise_hidden
+from vllm_dcp_geometry.cli.common.noise import (
+    THIRD_PARTY_NOTE,
+    third_party_noise_hidden,
+)
 
 NOTE = "W1130 08:18:30.743000 7093 torch/_opaque_base.py:6] torch._opaque_base is deprecated"
 INFO = "I1130 08:18:30.743000 7093 torch/_dynamo/x.cpp:12] some detail"

@@ -93,7 +93,7 @@ def test_upstream_column_matches_a_fresh_unpatched_vllm(capsys, tmp_path: Path):
     unpatched = run_python(
         f"""
         import json
-        from vllm_dcp_geometry.cli import _vllm
+        from vllm_dcp_geometry import vllm_objects as _vllm
         from vllm_dcp_geometry.topology import load_profile
         assert not _vllm.is_vllm_patched()
         out = {{}}

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.simulate_hooks import SimulationOptions
 from tests.simulate_topologies import group_index, hybrid, hybrid_mapping
 from vllm_dcp_geometry.cli import main
-from vllm_dcp_geometry.cli.simulate import SimulationOptions, run_simulation
-from vllm_dcp_geometry.cli.simulate_checks import KINDS
+from vllm_dcp_geometry.cli.simulate.checks import KINDS
+from vllm_dcp_geometry.cli.simulate.run import run_simulation
 
 JSON_KEYS = (
     "runner",

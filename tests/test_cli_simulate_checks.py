@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from tests.simulate_hooks import SimulationOptions
 from tests.simulate_topologies import group_index, hybrid
-from vllm_dcp_geometry.cli.simulate import SimulationOptions, run_simulation
-from vllm_dcp_geometry.cli.simulate_checks import Checker
-from vllm_dcp_geometry.cli.simulate_workers import V1Workers
+from vllm_dcp_geometry.cli.simulate.checks import Checker
+from vllm_dcp_geometry.cli.simulate.run import run_simulation
+from vllm_dcp_geometry.cli.simulate.workers import V1Workers
 
 LIGHT = {"requests": 12, "step_tokens": 1024}
 

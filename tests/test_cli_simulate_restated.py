@@ -30,9 +30,10 @@ import numpy as np
 import pytest
 
 from tests import worker_harness
+from tests.simulate_hooks import SimulationOptions
 from tests.simulate_topologies import hybrid
-from vllm_dcp_geometry.cli.simulate import SimulationOptions, run_simulation
-from vllm_dcp_geometry.cli.simulate_checks import KINDS
+from vllm_dcp_geometry.cli.simulate.checks import KINDS
+from vllm_dcp_geometry.cli.simulate.run import run_simulation
 
 MIXED = {"requests": 12, "step_tokens": 1024}
 

@@ -1,24 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""What ``simulate``'s checks see and record: each cache group
-(``GroupInfo``), where each rank sits for a shard count (``RankLayout``, from
-the contract's ``GroupGeometry``), the engine's own blocks of each request
-(``OwnRows``) and the violations found (``Violations``). The checks
-themselves are in ``simulate_checks``.
+"""What ``simulate``'s checks see: each cache group (``GroupInfo``), where
+each rank sits for a shard count (``RankLayout``, from the contract's
+``GroupGeometry``) and the engine's own blocks of each request
+(``OwnRows``). The checks themselves are in ``checks``; what they find is
+recorded in ``cli.common.violations``.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
 
 if TYPE_CHECKING:
     import numpy as np
-
-MAX_REPORTED = 50
 
 
 @dataclass(frozen=True)
@@ -39,53 +36,6 @@ class GroupInfo:
     recurrent: bool
     append_only: bool
     """Its manager only ever appends to a request's row (full attention)."""
-
-
-@dataclass
-class Violations:
-    """Counts by kind and by (group, kind), the earliest violation (by step,
-    then position), and the first of each (kind, group) in detail."""
-
-    counts: Counter = field(default_factory=Counter)
-    by_group: Counter = field(default_factory=Counter)
-    items: list[dict[str, Any]] = field(default_factory=list)
-    first: dict[str, Any] | None = None
-    _seen: set[tuple[str, str | None]] = field(default_factory=set)
-
-    def add(
-        self,
-        kind: str,
-        message: str,
-        *,
-        step: int,
-        count: int = 1,
-        group: GroupInfo | None = None,
-        position: int | None = None,
-        request: str | None = None,
-        rank: int | None = None,
-    ) -> None:
-        name = group.name if group is not None else None
-        self.counts[kind] += count
-        self.by_group[(name, kind)] += count
-        item = {
-            "kind": kind,
-            "step": step,
-            "group": name,
-            "request": request,
-            "position": position,
-            "rank": rank,
-            "message": message,
-        }
-        key = (step, -1 if position is None else position)
-        if self.first is None or key < (
-            self.first["step"],
-            -1 if self.first["position"] is None else self.first["position"],
-        ):
-            self.first = item
-        if (kind, name) in self._seen or len(self.items) >= MAX_REPORTED:
-            return
-        self._seen.add((kind, name))
-        self.items.append(item)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_dcp_geometry.cli.runs import replay_step_tokens
+from vllm_dcp_geometry.cli.common.runs import replay_step_tokens
 from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.topology import Topology, TopologyError
 

@@ -20,16 +20,17 @@ pinned host memory around it), each tested against vLLM's in the suite:
   ``add_row``/``append_row``/``move_row``;
 - the batch's positions and ``query_start_loc`` from ``_prepare_inputs``
   (``make_batch``);
-- the slot-mapping kernel (``simulate_kernels``), cross-checked against vLLM's
+- the slot-mapping kernel (``kernels``), cross-checked against vLLM's
   where it runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_dcp_geometry.cli.simulate_kernels import KernelGeometry, twin_slot_mapping
+from vllm_dcp_geometry.cli.simulate.kernels import KernelGeometry, twin_slot_mapping
 from vllm_dcp_geometry.topology import TopologyError
 
 if TYPE_CHECKING:
@@ -222,6 +223,11 @@ def emulate_dcp_group(block_table: Any, dcp_world_size: int, dcp_rank: int) -> N
         table.dcp_rank = dcp_rank
 
 
+def own_shard(group: int, rank: int, shard: int, shard_count: int) -> int:
+    """The shard the runner gives rank ``rank``'s table of ``group``: its own."""
+    return shard
+
+
 @dataclass
 class WorkerSetup:
     """What every runner's workers are built from."""
@@ -234,9 +240,9 @@ class WorkerSetup:
     dcp_world_size: int
     patched: bool
     device: str = "cpu"
-    shift_shard: tuple[int, int] | None = None
-    """Test-only: (group, rank) whose shard is shifted by one (a deliberately
-    broken geometry the checks must catch)."""
+    shard_of: Callable[[int, int, int, int], int] = own_shard
+    """``(group, rank, shard, shard_count)``: the shard the workers use
+    (``SimulationHooks.shard``; the runner's own unless a hook moves it)."""
 
 
 def build_v1_tables(setup: WorkerSetup, rank: int) -> Any:
@@ -273,11 +279,10 @@ def build_v1_tables(setup: WorkerSetup, rank: int) -> Any:
     else:
         tables = build()
         emulate_dcp_group(tables, dcp, rank)
-    if setup.shift_shard is not None and setup.shift_shard[1] == rank:
-        table = tables.block_tables[setup.shift_shard[0]]
-        if table.dcp_world_size == 1:
-            raise ValueError("shifting a shard needs a group with K > 1")
-        table.dcp_rank = (table.dcp_rank + 1) % table.dcp_world_size
+    for group, table in enumerate(tables.block_tables):
+        shard = setup.shard_of(group, rank, table.dcp_rank, table.dcp_world_size)
+        if shard != table.dcp_rank:
+            table.dcp_rank = shard
     return tables
 
 

@@ -28,18 +28,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_dcp_geometry.cli.simulate_views import (
-    GroupInfo,
-    OwnRows,
-    RankLayout,
-    Violations,
-)
+from vllm_dcp_geometry.cli.common.violations import ItemSchema, Violations
+from vllm_dcp_geometry.cli.simulate.views import GroupInfo, OwnRows, RankLayout
 from vllm_dcp_geometry.contract import PAD_SLOT_ID, GroupGeometry
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from vllm_dcp_geometry.cli.simulate_workers import ScheduledBatch
+    from vllm_dcp_geometry.cli.simulate.workers import ScheduledBatch
 
 KINDS = (
     "unwritten",
@@ -52,7 +48,10 @@ KINDS = (
     "block_sizes",
     "kernel_mismatch",
 )
-__all__ = ["KINDS", "Checker", "GroupInfo", "Violations"]
+ITEMS = ItemSchema(
+    "kind", ("kind", "step", "group", "request", "position", "rank", "message")
+)
+"""A violation in ``simulate``'s report (``violation_items``, ``first_violation``)."""
 
 
 class Checker:
@@ -88,7 +87,7 @@ class Checker:
         self.stamp = np.zeros(self.num_blocks, dtype=np.int64)
         self.stamp_value = 0
         self.serials: dict[str, int] = {}
-        self.violations = Violations()
+        self.violations = Violations(ITEMS)
         self.slot_writes_checked = 0
         self._layouts: dict[int, RankLayout] = {}
 
@@ -148,7 +147,7 @@ class Checker:
                 f"({layout.describe_ranks(replica)}, K={k})",
                 step=step,
                 count=int(bad.sum()),
-                group=group,
+                group=group.name,
                 position=position,
                 request=batch.req_ids[req],
             )
@@ -181,7 +180,7 @@ class Checker:
                     f"to slot {int(mine[ranks[j], tokens[j]]):,}, outside its blocks",
                     step=step,
                     count=int((~own).sum()),
-                    group=group,
+                    group=group.name,
                     position=position,
                     request=req_id,
                     rank=int(ranks[j]),
@@ -199,7 +198,7 @@ class Checker:
                     f"live request {other} wrote it",
                     step=step,
                     count=int(clash.sum()),
-                    group=group,
+                    group=group.name,
                     request=req_id,
                     rank=int(r[j]),
                 )
@@ -229,7 +228,7 @@ class Checker:
                     "recurrent_index",
                     f"rank {rank}: the state index runs past the table: {exc}",
                     step=step,
-                    group=group,
+                    group=group.name,
                     rank=rank,
                 )
                 continue
@@ -247,7 +246,7 @@ class Checker:
                         f"reads state blocks {ids.tolist()}, not all its own",
                         step=step,
                         count=int((~ok).sum()),
-                        group=group,
+                        group=group.name,
                         request=req_id,
                         rank=rank,
                         position=int(batch.seq_lens[i]) - 1,
@@ -292,7 +291,7 @@ class Checker:
                 f"(builder K={builder_k}, contract K={k})",
                 step=step,
                 count=int(bad.sum()),
-                group=group,
+                group=group.name,
                 request=batch.req_ids[i],
                 position=int(batch.seq_lens[i]) - 1,
             )
@@ -310,7 +309,7 @@ class Checker:
                     f"scheduler block {scheduler_block:,} / hash block "
                     f"{hash_block:,} do not tile V = B*K = {v:,}",
                     step=step,
-                    group=group,
+                    group=group.name,
                 )
 
     def check_overflows(
@@ -321,7 +320,7 @@ class Checker:
                 "table_width",
                 f"{req_id} needs {columns:,} columns, the table has {widths[index]:,}",
                 step=step,
-                group=self.groups[index],
+                group=self.groups[index].name,
                 request=req_id,
             )
 
@@ -345,7 +344,7 @@ class Checker:
                 f"{int(twin[rank, token])}",
                 step=step,
                 count=int(differ.sum()),
-                group=group,
+                group=group.name,
                 rank=rank,
                 position=int(batch.positions[token]),
             )

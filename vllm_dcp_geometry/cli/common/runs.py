@@ -1,17 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""What the commands that run vLLM (``replay``, ``simulate``) share.
+"""What the commands share once their flags are parsed.
 
-Their defaults (the replay length and step), their start (vLLM imported
-patched, or unpatched in the fresh process of another run's baseline), the
-progress bar, the unpatched baseline itself (the same command in a fresh
-interpreter that never registers the plugin) and their end (receipt, output,
-exit status).
+Every command that needs vLLM starts it here (``prepare_vllm``: the plugin
+registered, vLLM imported with third-party import noise hidden) and reports
+the versions it ran (``versions``). The commands that run vLLM (``replay``,
+``simulate``) also share their defaults (the replay length and step) and the
+inputs no replay can take, their start (vLLM patched, or unpatched in the
+fresh process of another run's baseline), the progress bar, the unpatched
+baseline itself (the same command in a fresh interpreter that never
+registers the plugin) and their end (receipt, output, exit status).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -19,10 +23,56 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_dcp_geometry.topology import DEFAULT_PROFILE, Topology
+from vllm_dcp_geometry import vllm_objects
+from vllm_dcp_geometry.cli.common.flags import UNPATCHED_FLAG
+from vllm_dcp_geometry.cli.common.noise import third_party_noise_hidden
+from vllm_dcp_geometry.cli.common.receipts import write_receipt
+from vllm_dcp_geometry.cli.common.status import EXIT_OK, EXIT_VIOLATION, CliError
+from vllm_dcp_geometry.topology import DEFAULT_PROFILE, Topology, TopologyError
 
-UNPATCHED_FLAG = "--unpatched-baseline"
-"""The hidden flag of the fresh process that runs another run's baseline."""
+VLLM_MODULES = (
+    "vllm.config",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.request",
+    "vllm.sampling_params",
+    "vllm.v1.worker.block_table",
+)
+"""The vLLM modules the commands use, imported up front with the import noise
+hidden (see ``noise``)."""
+
+
+def prepare_vllm(args: argparse.Namespace, *, patched: bool) -> None:
+    """Register the plugin (when ``patched``) and import vLLM, hiding
+    third-party import noise unless ``--verbose``."""
+    verbose = getattr(args, "verbose", False)
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    with third_party_noise_hidden(enabled=not verbose):
+        if patched:
+            import vllm_dcp_geometry
+
+            vllm_dcp_geometry.register()
+        for name in VLLM_MODULES:
+            importlib.import_module(name)
+
+
+def versions() -> dict[str, Any]:
+    """The vLLM and plugin versions every report carries."""
+    from vllm_dcp_geometry._version import installed_vllm_version, plugin_version
+
+    return {
+        "vllm_version": installed_vllm_version(),
+        "plugin_version": plugin_version(),
+    }
+
+
+def emit(document: dict[str, Any], as_json: bool, text: str) -> None:
+    """Print the report (``--json``) or its text."""
+    if as_json:
+        print(json.dumps(document, sort_keys=False))
+    else:
+        print(text)
 
 
 def replay_tokens(topology: Topology, tokens: int | None) -> int:
@@ -41,16 +91,34 @@ def replay_step_tokens(topology: Topology, step_tokens: int | None) -> int:
     )
 
 
+def check_replay_inputs(topology: Topology, tokens: int, step_tokens: int) -> None:
+    """Reject a replay vLLM could never schedule, before building anything
+    (``replay``, and ``simulate``'s replay workload)."""
+    for label, value in (("tokens", tokens), ("step tokens", step_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TopologyError(f"replay {label} must be a positive integer")
+    if tokens > topology.max_model_len:
+        raise TopologyError(
+            f"replay of {tokens:,} tokens exceeds max_model_len="
+            f"{topology.max_model_len:,}; raise --max-model-len or lower --tokens"
+        )
+    if topology.mamba_cache_mode == "align":
+        for group in topology.groups:
+            if group.kind == "mamba" and step_tokens % group.block_size:
+                raise TopologyError(
+                    f"group {group.name!r}: in Mamba align mode prefill chunks "
+                    f"end on recurrent block boundaries, so --step-tokens "
+                    f"({step_tokens}) must be a multiple of B={group.block_size}"
+                )
+
+
 def start_vllm(args: argparse.Namespace) -> bool:
     """Import vLLM for the run, patched unless this process is another run's
     unpatched baseline; returns whether it is."""
-    from vllm_dcp_geometry import cli
-    from vllm_dcp_geometry.cli import _vllm
-
     unpatched = bool(getattr(args, "unpatched_baseline", False))
-    cli._prepare_vllm(args, patched=not unpatched)
-    if unpatched and _vllm.is_vllm_patched():
-        raise cli.CliError(
+    prepare_vllm(args, patched=not unpatched)
+    if unpatched and vllm_objects.is_vllm_patched():
+        raise CliError(
             "the unpatched baseline found the plugin already installed in this "
             "process (is VLLM_PLUGINS set, or something calling register()?)"
         )
@@ -104,7 +172,6 @@ def run_unpatched(
     never registers the plugin, with ``topology`` and ``flags`` (``(flag,
     value)``; a None value is left out); its JSON report."""
     from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
-    from vllm_dcp_geometry.cli import CliError
 
     with tempfile.TemporaryDirectory(prefix="vllm-dcp-geometry-") as tmp:
         path = os.path.join(tmp, "topology.json")
@@ -133,13 +200,9 @@ def finish(
 ) -> int:
     """Write the receipt (``--receipt``), print the report (``--json``) or
     ``text``; the exit status: 0 clean, 1 a violation found."""
-    from vllm_dcp_geometry import cli
-
     if args.receipt is not None:
-        from vllm_dcp_geometry.cli.receipts import write_receipt
-
         write_receipt(args.receipt, command, args.argv, report)
         if not args.json:
             text += f"\nreceipt written to {args.receipt}"
-    cli._emit(report, args.json, text.lstrip("\n"))
-    return cli.EXIT_OK if report["ok"] else cli.EXIT_VIOLATION
+    emit(report, args.json, text.lstrip("\n"))
+    return EXIT_OK if report["ok"] else EXIT_VIOLATION

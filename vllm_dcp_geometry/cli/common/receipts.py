@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from vllm_dcp_geometry.cli.common.status import PROG, CliError
+
 
 def write_receipt(
     path: str, command: str, argv: Sequence[str], report: dict[str, Any]
 ) -> None:
     """Write ``report`` as the receipt of ``command`` to ``path``."""
-    from vllm_dcp_geometry.cli import PROG, CliError
-
     receipt = {
         "receipt": f"{PROG} {command}",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dcp_geometry.cli.replay_checks import CATEGORIES
+from vllm_dcp_geometry.cli.common.text_table import render_table
+from vllm_dcp_geometry.cli.replay.checks import CATEGORIES
 
 
 def format_replay(report: dict[str, Any]) -> str:
-    from vllm_dcp_geometry.cli.text_table import render_table
-
     mode = report["mode"]
     version = report.get("vllm_version") or ""
     lines = [

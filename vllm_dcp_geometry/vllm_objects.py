@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Real vLLM objects for a topology: specs, sizing config, KV-cache config.
+"""Real vLLM objects for a topology: specs, sizing config, KV-cache config,
+vLLM's own ``KVCacheManager``.
 
-Everything here imports vLLM lazily, so ``import vllm_dcp_geometry.cli`` stays
-cheap. ``patched=True`` callers must have called ``vllm_dcp_geometry.register()``
-first; ``patched=False`` builds what vLLM 0.33.0 itself can express (no
-``dcp_kv_shard_count``), for unpatched baselines in a fresh process.
+Library code, not the command line's: the commands (``vllm_dcp_geometry.cli``),
+the benchmarks and the tests build vLLM's objects for a topology here.
+Everything here imports vLLM lazily, so importing this module (or the CLI)
+stays cheap. ``patched=True`` callers must have called
+``vllm_dcp_geometry.register()`` first; ``patched=False`` builds what vLLM
+0.33.0 itself can express (no ``dcp_kv_shard_count``), for unpatched
+baselines in a fresh process.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -191,6 +196,18 @@ def pages_per_request(spec: Any, config: Any, *, upstream: bool = False) -> int:
         else spec.max_memory_usage_bytes
     )
     return cdiv(usage(config), spec.page_size_bytes)
+
+
+def with_max_model_len(config: Any, max_model_len: int) -> Any:
+    """``config`` (a ``VllmConfig`` or ``SizingConfig``) as if its model's
+    ``max_model_len`` were ``max_model_len``: a shallow copy with a copied
+    model config, so vLLM's sizing rules can be asked about another length
+    without touching ``config``."""
+    model_config = copy.copy(config.model_config)
+    model_config.max_model_len = max_model_len
+    sized = copy.copy(config)
+    sized.model_config = model_config
+    return sized
 
 
 def build_kv_cache_config(topology: Topology, specs: list[Any], num_blocks: int) -> Any:

@@ -17,17 +17,18 @@ With each group's geometry under the contract (``V = B * K``, its width):
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_dcp_geometry.cli import _vllm
+from vllm_dcp_geometry import vllm_objects
+from vllm_dcp_geometry.cli.common.violations import ItemSchema, Violations
 from vllm_dcp_geometry.contract import cdiv, virtual_block_size
 from vllm_dcp_geometry.topology import CacheGroup, Topology
 
-MAX_REPORTED_VIOLATIONS = 50
 CATEGORIES = ("ownership", "width", "addressability", "geometry", "pool")
 REQUEST_ID = "replay-0"
+ITEMS = ItemSchema("category", ("kind", "group", "step", "position", "message"))
+"""A violation in ``replay``'s report: its kind is its ``category``."""
 
 
 @dataclass
@@ -57,43 +58,11 @@ class Track:
         return self.width * self.virtual_block_size
 
 
-@dataclass
-class Violations:
-    counts: Counter = field(default_factory=Counter)
-    items: list[dict[str, Any]] = field(default_factory=list)
-    _seen: set[tuple[str, str | None]] = field(default_factory=set)
-
-    def add(
-        self,
-        category: str,
-        message: str,
-        *,
-        step: int,
-        group: str | None = None,
-        position: int | None = None,
-    ) -> None:
-        self.counts[category] += 1
-        # Report the first occurrence per category and group; count the rest.
-        key = (category, group)
-        if key in self._seen or len(self.items) >= MAX_REPORTED_VIOLATIONS:
-            return
-        self._seen.add(key)
-        self.items.append(
-            {
-                "category": category,
-                "group": group,
-                "step": step,
-                "position": position,
-                "message": message,
-            }
-        )
-
-
 def make_tracks(
     topology: Topology, specs: list[Any], config: Any, violations: Violations
 ) -> list[Track]:
     dcp = topology.decode_context_parallel_size
-    patched = _vllm.is_vllm_patched()
+    patched = vllm_objects.is_vllm_patched()
     tracks = []
     for group, spec in zip(topology.groups, specs, strict=True):
         k = group.shard_count(dcp)

@@ -1,22 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""``vllm-dcp-geometry simulate``: vLLM's scheduler feeding all D worker ranks.
+"""The simulation: vLLM's scheduler feeding all D worker ranks, checked.
 
-``replay`` drives the engine-core side only (vLLM's ``KVCacheManager``). This
-command runs one engine and its D workers end to end, with no weights and no
-GPU: vLLM's real ``Scheduler`` (``simulate_engine``) schedules a workload with
-chunked prefill, prefix caching, preemption and speculative decoding; every
-``SchedulerOutput`` is handed to every DCP rank's block tables of the chosen
-model runner (``simulate_workers``, ``simulate_workers_v2``); each rank's slot
-mapping and each attention group's local sequence lengths are checked at every
-step and every group (``simulate_checks``). Slot mappings come from a
-vectorized twin of vLLM's kernels, cross-checked against the real kernels on
-sampled steps where they run (``simulate_kernels``). The workloads are in
-``simulate_workloads``, the flags and the baseline in ``simulate_command``, the
-report in ``simulate_report``.
-
-Run unpatched (a fresh process that never registers the plugin), the same
-simulation shows the first step and position where vLLM 0.33.0 breaks.
+``run_simulation`` builds one engine (vLLM's real ``Scheduler``, ``engine``)
+and the block tables of its D workers for the chosen model runner
+(``workers``, ``workers_v2``), then runs the engine loop: every
+``SchedulerOutput`` of the workload (``workloads``) goes to every rank's
+tables, every group's slot mappings and local lengths are checked at every
+step (``checks``, with slot mappings from ``kernels``), and the stand-in
+model's output goes back to the scheduler. The report is ``report``'s.
 """
 
 from __future__ import annotations
@@ -24,14 +16,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_dcp_geometry.cli import _vllm
-from vllm_dcp_geometry.cli.runs import progress_bar, replay_tokens
-from vllm_dcp_geometry.cli.simulate_checks import Checker, GroupInfo
-from vllm_dcp_geometry.cli.simulate_engine import (
+from vllm_dcp_geometry import vllm_objects
+from vllm_dcp_geometry.cli.common.runs import progress_bar, replay_tokens
+from vllm_dcp_geometry.cli.simulate.checks import Checker
+from vllm_dcp_geometry.cli.simulate.engine import (
     Engine,
     StandInModel,
     build_engine,
@@ -40,13 +31,25 @@ from vllm_dcp_geometry.cli.simulate_engine import (
     model_runner_choice,
     quiet_vllm_config,
 )
-from vllm_dcp_geometry.cli.simulate_kernels import (
+from vllm_dcp_geometry.cli.simulate.kernels import (
     CROSS_CHECK_EVERY,
     crosses_virtual_block,
     probe_real_kernels,
 )
-from vllm_dcp_geometry.cli.simulate_workers import ScheduledBatch, WorkerSetup
-from vllm_dcp_geometry.cli.simulate_workloads import (
+from vllm_dcp_geometry.cli.simulate.options import (
+    SimulationHooks,
+    SimulationOptions,
+    StepView,
+)
+from vllm_dcp_geometry.cli.simulate.report import build_report
+from vllm_dcp_geometry.cli.simulate.views import GroupInfo
+from vllm_dcp_geometry.cli.simulate.workers import (
+    ScheduledBatch,
+    V1Workers,
+    WorkerSetup,
+)
+from vllm_dcp_geometry.cli.simulate.workers_v2 import V2Workers
+from vllm_dcp_geometry.cli.simulate.workloads import (
     Workload,
     estimated_steps,
     make_workload,
@@ -57,40 +60,6 @@ from vllm_dcp_geometry.topology import Topology, TopologyError
 IDLE_STEPS_LIMIT = 64
 """Steps in a row that schedule nothing with nothing left to arrive: the pool
 cannot hold any waiting request."""
-
-
-@dataclass(frozen=True)
-class SimulationOptions:
-    """What one simulation runs: the model runner, the workload and its sizes
-    (None: the workload's default)."""
-
-    runner: str = "v1"
-    workload: str = "replay"
-    tokens: int | None = None
-    step_tokens: int | None = None
-    num_pages: int | None = None
-    requests: int | None = None
-    seed: int = 0
-    progress: bool = True
-    verbose: bool = False
-    shift_shard: tuple[int, int] | None = None
-    """Test-only: shift the shard of (group, rank) by one, to show the checks
-    catch a broken geometry."""
-    on_step: Callable[[StepView], None] | None = None
-    """Called after each step's checks: lets a test feed the same outputs to
-    vLLM's own worker code, or hand a check a deliberately wrong input."""
-
-
-@dataclass(frozen=True)
-class StepView:
-    """One simulated step, as ``SimulationOptions.on_step`` sees it."""
-
-    step: int
-    scheduler_output: Any
-    batch: ScheduledBatch
-    workers: Any
-    checker: Checker
-    engine: Engine
 
 
 @dataclass
@@ -161,12 +130,8 @@ def group_infos(topology: Topology, engine: Engine, patched: bool) -> list[Group
 
 def _build_workers(setup: WorkerSetup, runner: str, kernels: bool) -> Any:
     if runner == "v1":
-        from vllm_dcp_geometry.cli.simulate_workers import V1Workers
-
         workers: Any = V1Workers(setup)
     else:
-        from vllm_dcp_geometry.cli.simulate_workers_v2 import V2Workers
-
         workers = V2Workers(setup, real=kernels)
     workers.cross_check = kernels and (runner == "v1" or bool(workers.real))
     return workers
@@ -252,7 +217,7 @@ def check_step(
                 "kernel_mismatch",
                 f"rank {rank}: vLLM's BlockTables rows differ from the restated rows",
                 step=step,
-                group=groups[index],
+                group=groups[index].name,
                 rank=rank,
             )
 
@@ -263,7 +228,7 @@ def run_loop(
     workers: Any,
     checker: Checker,
     bar: Any,
-    on_step: Callable[[StepView], None] | None = None,
+    hooks: SimulationHooks,
 ) -> Tally:
     """The engine loop: schedule, hand the output to every rank, check, feed
     the stand-in model's output back (``EngineCore.step`` and ``post_step``)."""
@@ -285,8 +250,9 @@ def run_loop(
         )
         batch = workers.update(output)
         check_step(tally.steps, batch, engine, workers, checker, tally)
-        if on_step is not None:
-            on_step(StepView(tally.steps, output, batch, workers, checker, engine))
+        hooks.step_checked(
+            StepView(tally.steps, output, batch, workers, checker, engine)
+        )
         model_output = model.output(output, scheduler)
         finished = scheduler.update_from_output(output, model_output)
         for outputs in finished.values():
@@ -316,7 +282,8 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
     """
     import torch
 
-    patched = _vllm.is_vllm_patched()
+    hooks = options.hooks()
+    patched = vllm_objects.is_vllm_patched()
     tokens = replay_tokens(topology, options.tokens)
     workload = make_workload(
         topology,
@@ -348,7 +315,7 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
             dcp_world_size=dcp,
             patched=patched,
             device=device,
-            shift_shard=options.shift_shard,
+            shard_of=hooks.shard,
         )
         kernels, kernel_note = probe_real_kernels(device)
         workers = _build_workers(setup, options.runner, kernels)
@@ -361,10 +328,8 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
             options.progress,
         )
         with bar:
-            tally = run_loop(engine, workload, workers, checker, bar, options.on_step)
+            tally = run_loop(engine, workload, workers, checker, bar, hooks)
     elapsed = time.perf_counter() - started
-    from vllm_dcp_geometry.cli.simulate_report import build_report
-
     return build_report(
         topology,
         options,

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_dcp_geometry.cli.simulate_checks import KINDS
+from vllm_dcp_geometry.cli.common.text_table import render_table
+from vllm_dcp_geometry.cli.simulate.checks import KINDS
 
 if TYPE_CHECKING:
-    from vllm_dcp_geometry.cli.simulate import SimulationOptions
-    from vllm_dcp_geometry.cli.simulate_checks import Checker, GroupInfo
-    from vllm_dcp_geometry.cli.simulate_engine import Engine
-    from vllm_dcp_geometry.cli.simulate_workloads import Workload
+    from vllm_dcp_geometry.cli.simulate.checks import Checker
+    from vllm_dcp_geometry.cli.simulate.engine import Engine
+    from vllm_dcp_geometry.cli.simulate.options import SimulationOptions
+    from vllm_dcp_geometry.cli.simulate.views import GroupInfo
+    from vllm_dcp_geometry.cli.simulate.workloads import Workload
     from vllm_dcp_geometry.topology import Topology
 
 
@@ -137,8 +139,6 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    from vllm_dcp_geometry.cli.text_table import render_table
-
     lines = _summary_lines(report)
     rows = [
         [

@@ -17,7 +17,7 @@ plus one bonus token otherwise) and proposes draft token ids for the next
 step through ``Scheduler.update_draft_token_ids``, as ``EngineCore.post_step``
 hands them over.
 
-The workloads are in ``simulate_workloads``.
+The workloads are in ``workloads``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_dcp_geometry.cli import _vllm
-from vllm_dcp_geometry.cli.simulate_workloads import (
+from vllm_dcp_geometry import vllm_objects
+from vllm_dcp_geometry.cli.simulate.workloads import (
     MIXED_POOL_SHARE,
     RUNNERS,
     VOCAB_SIZE,
@@ -98,7 +98,7 @@ def build_vllm_config(topology: Topology, workload: Workload, model_dir: str) ->
     )
 
     _write_model_config(topology, model_dir)
-    parallel, cache = _vllm.layout_configs(
+    parallel, cache = vllm_objects.layout_configs(
         topology, enable_prefix_caching=workload.enable_prefix_caching
     )
     try:
@@ -156,7 +156,7 @@ def default_num_pages(workload: Workload, specs: list[Any], config: Any) -> int:
     """Pool pages: the replay holds one max-length request (vLLM's own rule,
     plus the null page); the mixed workload gets ``MIXED_POOL_SHARE`` of what
     its longest requests need all at once, so the scheduler must preempt."""
-    per_request = sum(_vllm.pages_per_request(s, config) for s in specs)
+    per_request = sum(vllm_objects.pages_per_request(s, config) for s in specs)
     if workload.name == "replay":
         return per_request + 1
     longest = sorted(
@@ -169,13 +169,10 @@ def default_num_pages(workload: Workload, specs: list[Any], config: Any) -> int:
 
 
 def _pages_for(specs: list[Any], config: Any, length: int) -> int:
-    """Pages one request of ``length`` tokens takes, by vLLM's own rule."""
-    saved = config.model_config.max_model_len
-    config.model_config.max_model_len = length
-    try:
-        return sum(_vllm.pages_per_request(s, config) for s in specs)
-    finally:
-        config.model_config.max_model_len = saved
+    """Pages one request of ``length`` tokens takes, by vLLM's own rule (asked
+    of a copy of ``config`` whose model is ``length`` tokens long)."""
+    sized = vllm_objects.with_max_model_len(config, length)
+    return sum(vllm_objects.pages_per_request(s, sized) for s in specs)
 
 
 def build_engine(
@@ -194,7 +191,9 @@ def build_engine(
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = build_vllm_config(topology, workload, model_dir)
-    specs = [_vllm.build_spec(g, topology, patched=patched) for g in topology.groups]
+    specs = [
+        vllm_objects.build_spec(g, topology, patched=patched) for g in topology.groups
+    ]
     pages = (
         num_pages
         if num_pages is not None
@@ -202,9 +201,9 @@ def build_engine(
     )
     if pages < 2:
         raise TopologyError(f"--num-pages must be at least 2, got {pages}")
-    kv_cache_config = _vllm.build_kv_cache_config(topology, specs, pages)
+    kv_cache_config = vllm_objects.build_kv_cache_config(topology, specs, pages)
     config.cache_config.num_gpu_blocks = pages
-    sched_block, hash_block = _vllm.resolve_block_sizes(kv_cache_config, config)
+    sched_block, hash_block = vllm_objects.resolve_block_sizes(kv_cache_config, config)
     try:
         scheduler = Scheduler(
             vllm_config=config,
@@ -231,7 +230,7 @@ def build_engine(
         hash_block_size=hash_block,
         num_pages=pages,
         block_hasher=hasher,
-        pages_per_request=sum(_vllm.pages_per_request(s, config) for s in specs),
+        pages_per_request=sum(vllm_objects.pages_per_request(s, config) for s in specs),
     )
 
 

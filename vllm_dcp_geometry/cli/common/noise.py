@@ -32,7 +32,10 @@ THIRD_PARTY_NOTE = re.compile(
 or a vLLM log line below error level (``(EngineCore pid=7) WARNING 11-30
 08:18:30 [f.py:6] ...``)."""
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_DIR = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
+"""``vllm_dcp_geometry/``: warnings raised from under it are this plugin's."""
 
 
 def kept_lines(text: str) -> list[str]:

@@ -20,7 +20,7 @@ real ``BlockTables`` on sampled steps wherever it can be built:
   first-out, like ``RequestState``) and the staged row writes
   (``RowStore``);
 - the per-group arguments ``initialize_kv_cache`` gives ``BlockTables``;
-- the slot-mapping kernel (``simulate_kernels``).
+- the slot-mapping kernel (``kernels``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_dcp_geometry.cli.simulate_kernels import KernelGeometry, twin_slot_mapping
-from vllm_dcp_geometry.cli.simulate_workers import (
+from vllm_dcp_geometry.cli.simulate.kernels import KernelGeometry, twin_slot_mapping
+from vllm_dcp_geometry.cli.simulate.workers import (
     ScheduledBatch,
     WorkerSetup,
     scheduled_batch,
@@ -186,10 +186,7 @@ def v2_kernel_geometries(
         row = []
         for rank in range(dcp):
             shard = GroupGeometry(group_name(index=index), k, dcp, rank).shard
-            if setup.shift_shard == (index, rank):
-                if k == 1:
-                    raise ValueError("shifting a shard needs a group with K > 1")
-                shard = (shard + 1) % k
+            shard = setup.shard_of(index, rank, shard, k)
             row.append(KernelGeometry(args["block_sizes"][index], k, shard, interleave))
         table.append(row)
     return table

@@ -1,6 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""The ``simulate`` command line: flags, the unpatched baseline, the table.
+"""``vllm-dcp-geometry simulate``: vLLM's scheduler feeding all D worker ranks.
+
+``replay`` drives the engine-core side only (vLLM's ``KVCacheManager``). This
+command runs one engine and its D workers end to end, with no weights and no
+GPU (``run``): vLLM's real ``Scheduler`` (``engine``) schedules a workload
+(``workloads``) with chunked prefill, prefix caching, preemption and
+speculative decoding; every ``SchedulerOutput`` is handed to every DCP rank's
+block tables of the chosen model runner (``workers``, ``workers_v2``); each
+rank's slot mapping and each attention group's local sequence lengths are
+checked at every step and every group (``checks``, over ``views``). Slot
+mappings come from a vectorized twin of vLLM's kernels, cross-checked against
+the real kernels on sampled steps where they run (``kernels``). The report
+and its text are in ``report``; what a run takes, and the hooks a caller may
+give it, in ``options``.
 
 ``--baseline`` runs the same simulation on vLLM 0.33.0 as installed, in a
 fresh interpreter that never registers the plugin, and reports the first step
@@ -12,9 +25,33 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_dcp_geometry.cli import runs
-from vllm_dcp_geometry.cli.simulate_workloads import RUNNERS, WORKLOADS
+from vllm_dcp_geometry.cli.common import capacity, runs
+from vllm_dcp_geometry.cli.common.flags import (
+    add_run_args,
+    add_topology_args,
+    int_flag,
+    load_topology,
+)
+from vllm_dcp_geometry.cli.simulate.options import SimulationOptions
+from vllm_dcp_geometry.cli.simulate.report import (
+    compare_runs,
+    format_baseline,
+    format_report,
+)
+from vllm_dcp_geometry.cli.simulate.run import run_simulation
+from vllm_dcp_geometry.cli.simulate.workloads import (
+    MIXED_MAX_PROMPT,
+    MIXED_REQUESTS,
+    RUNNERS,
+    WORKLOADS,
+)
 from vllm_dcp_geometry.topology import Topology, TopologyError
+from vllm_dcp_geometry.topology.limits import NON_NEGATIVE_INT32, POSITIVE_INT32
+
+HELP = (
+    "vLLM's scheduler feeding every DCP rank's block tables, checked each step, "
+    "no weights"
+)
 
 SIMULATE_MAX_RANK_TOKENS = 2**31
 """Ranks times scheduled tokens times slot-mapped groups a run may check
@@ -22,11 +59,18 @@ SIMULATE_MAX_RANK_TOKENS = 2**31
 simulation stays within minutes."""
 
 
-def add_arguments(parser: argparse.ArgumentParser, int_flag: Any) -> None:
-    """The flags only ``simulate`` takes (the topology flags and those it
-    shares with ``replay`` come from ``vllm_dcp_geometry.cli``)."""
-    from vllm_dcp_geometry.topology.limits import NON_NEGATIVE_INT32, POSITIVE_INT32
-
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simulate``'s flags: the topology flags, those it shares with
+    ``replay``, then its own."""
+    add_topology_args(parser)
+    add_run_args(
+        parser,
+        tokens="replay length (default: the profile's, else max_model_len)",
+        step_tokens="the scheduler's token budget per step (max_num_batched_tokens)",
+        num_pages="pool size in pages (default: replay, one max-length request "
+        "+ null page; mixed, small enough to preempt)",
+        baseline="also simulate on unpatched vLLM (fresh process)",
+    )
     parser.add_argument(
         "--runner",
         choices=RUNNERS,
@@ -57,15 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser, int_flag: Any) -> None:
 def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
     """Refuse, before vLLM is imported, a simulation vLLM could not schedule
     or that would not end in minutes; the replay length."""
-    from vllm_dcp_geometry.cli.replay import check_replay_inputs
-    from vllm_dcp_geometry.cli.simulate_workloads import (
-        MIXED_MAX_PROMPT,
-        MIXED_REQUESTS,
-    )
-
     tokens = runs.replay_tokens(topology, args.tokens)
     if args.workload == "replay":
-        check_replay_inputs(
+        runs.check_replay_inputs(
             topology, tokens, runs.replay_step_tokens(topology, args.step_tokens)
         )
         if args.requests is not None:
@@ -89,8 +127,6 @@ def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
 
 def check_capacity(topology: Topology, args: argparse.Namespace, tokens: int) -> None:
     """What needs vLLM's specs: the pool and tables fit what vLLM represents."""
-    from vllm_dcp_geometry.cli import capacity
-
     if args.workload == "replay":
         capacity.check_replay_capacity(
             topology,
@@ -124,15 +160,7 @@ def run_unpatched_baseline(
 
 def command(args: argparse.Namespace) -> int:
     """``vllm-dcp-geometry simulate``."""
-    from vllm_dcp_geometry import cli
-    from vllm_dcp_geometry.cli.simulate import SimulationOptions, run_simulation
-    from vllm_dcp_geometry.cli.simulate_report import (
-        compare_runs,
-        format_baseline,
-        format_report,
-    )
-
-    topology = cli._load(args)
+    topology = load_topology(args)
     tokens = check_inputs(topology, args)
     unpatched = runs.start_vllm(args)
     check_capacity(topology, args, tokens)
@@ -148,7 +176,7 @@ def command(args: argparse.Namespace) -> int:
         verbose=getattr(args, "verbose", False),
     )
     report = run_simulation(topology, options)
-    report.update(cli.versions())
+    report.update(runs.versions())
     report["inputs"] = {
         **runs.source_inputs(args),
         "runner": args.runner,

@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""``vllm-dcp-geometry replay``: drive vLLM's real KV-cache manager, no weights.
+"""The replay: one long request fed to vLLM's real ``KVCacheManager``.
 
 Builds the topology's scheduler-side ``KVCacheConfig`` from real specs, lets
 vLLM resolve its scheduler and hash block sizes, and feeds one long request to
-vLLM's ``KVCacheManager`` (``_vllm.build_kv_cache_manager``) in chunked-prefill
-steps. After every step it checks ownership, widths, addressability and each
-manager's allocation unit against the contract (``replay_checks``); the text
-output is in ``replay_output``.
-
-Run unpatched (a fresh process that never registers the plugin), the same
-replay shows where vLLM 0.33.0 diverges from the contract.
+vLLM's ``KVCacheManager`` (``vllm_objects.build_kv_cache_manager``) in
+chunked-prefill steps, checking every step (``checks``). ``compare_replays``
+says where an unpatched replay differs from a patched one.
 """
 
 from __future__ import annotations
@@ -18,52 +14,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_dcp_geometry.cli import _vllm
-from vllm_dcp_geometry.cli.replay_checks import (
+from vllm_dcp_geometry import vllm_objects
+from vllm_dcp_geometry.cli.common.runs import check_replay_inputs, progress_bar
+from vllm_dcp_geometry.cli.common.violations import Violations
+from vllm_dcp_geometry.cli.replay.checks import (
     CATEGORIES,
+    ITEMS,
     REQUEST_ID,
     Track,
-    Violations,
     check_step,
     make_tracks,
 )
-from vllm_dcp_geometry.cli.replay_output import format_baseline, format_replay
-from vllm_dcp_geometry.cli.runs import progress_bar
 from vllm_dcp_geometry.contract import scheduler_block_size
 from vllm_dcp_geometry.geometry import default_shard_count
 from vllm_dcp_geometry.topology import Topology, TopologyError
 
-__all__ = [
-    "check_replay_inputs",
-    "compare_replays",
-    "format_baseline",
-    "format_replay",
-    "run_replay",
-]
-
-
-def check_replay_inputs(topology: Topology, tokens: int, step_tokens: int) -> None:
-    """Reject a replay vLLM could never schedule, before building anything."""
-    for label, value in (("tokens", tokens), ("step tokens", step_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TopologyError(f"replay {label} must be a positive integer")
-    if tokens > topology.max_model_len:
-        raise TopologyError(
-            f"replay of {tokens:,} tokens exceeds max_model_len="
-            f"{topology.max_model_len:,}; raise --max-model-len or lower --tokens"
-        )
-    if topology.mamba_cache_mode == "align":
-        for group in topology.groups:
-            if group.kind == "mamba" and step_tokens % group.block_size:
-                raise TopologyError(
-                    f"group {group.name!r}: in Mamba align mode prefill chunks "
-                    f"end on recurrent block boundaries, so --step-tokens "
-                    f"({step_tokens}) must be a multiple of B={group.block_size}"
-                )
-
 
 def _check_manager_geometry(
-    setup: _vllm.ManagerSetup, tracks: list[Track], violations: Violations
+    setup: vllm_objects.ManagerSetup, tracks: list[Track], violations: Violations
 ) -> None:
     """vLLM's scheduler block size is the contract's LCM of ``V = B * K`` and
     each manager allocates in units of its group's ``V``."""
@@ -89,7 +57,7 @@ def _check_manager_geometry(
 
 
 def _replay_steps(
-    setup: _vllm.ManagerSetup,
+    setup: vllm_objects.ManagerSetup,
     tracks: list[Track],
     violations: Violations,
     *,
@@ -157,18 +125,20 @@ def run_replay(
     upstream's. Returns a JSON-ready report.
     """
     check_replay_inputs(topology, tokens, step_tokens)
-    patched = _vllm.is_vllm_patched()
-    config = _vllm.sizing_config(topology, max_num_batched_tokens=step_tokens)
-    specs = [_vllm.build_spec(g, topology, patched=patched) for g in topology.groups]
-    violations = Violations()
+    patched = vllm_objects.is_vllm_patched()
+    config = vllm_objects.sizing_config(topology, max_num_batched_tokens=step_tokens)
+    specs = [
+        vllm_objects.build_spec(g, topology, patched=patched) for g in topology.groups
+    ]
+    violations = Violations(ITEMS)
     tracks = make_tracks(topology, specs, config, violations)
 
-    pages_per_request = sum(_vllm.pages_per_request(s, config) for s in specs)
+    pages_per_request = sum(vllm_objects.pages_per_request(s, config) for s in specs)
     # vLLM's pool reserves one page as the null block.
     pool_pages = num_pages if num_pages is not None else pages_per_request + 1
     if pool_pages < 2:
         raise TopologyError(f"--num-pages must be at least 2, got {pool_pages}")
-    setup = _vllm.build_kv_cache_manager(
+    setup = vllm_objects.build_kv_cache_manager(
         topology, specs, config, pool_pages, enable_caching=False
     )
     _check_manager_geometry(setup, tracks, violations)

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""The text output of ``vllm-dcp-geometry plan`` (``plan.build_plan``'s
+"""The text output of ``vllm-dcp-geometry plan`` (``document.build_plan``'s
 document as a table and summary lines)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_dcp_geometry.cli.plan import misread_by_upstream
-from vllm_dcp_geometry.cli.text_table import RULE, render_table
+from vllm_dcp_geometry.cli.common.text_table import RULE, render_table
+from vllm_dcp_geometry.cli.plan.document import misread_by_upstream
 
 
 def _fmt_int(value: int) -> str:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""``vllm-dcp-geometry plan``: per-group geometry and cost, before renting GPUs.
+"""The ``plan`` document: per-group geometry and cost, against vLLM 0.33.0.
 
 For each cache group: its shard count K, block-table width (before and after
 the runner's alignment), block-table bytes per rank and KV bytes per token and
@@ -8,7 +8,7 @@ per request per rank, with the same numbers from unpatched vLLM 0.33.0. The
 patched numbers come from the specs (``spec.dcp_shard_count``,
 ``spec.max_num_blocks_per_req``, ``spec.max_memory_usage_bytes``); upstream's
 from the original methods behind the patches (``_patching.original_of``).
-The text output is in ``plan_output``.
+How each group's attention runs comes from ``attention``.
 """
 
 from __future__ import annotations
@@ -16,20 +16,17 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from vllm_dcp_geometry.attention_admission import (
-    AttentionKind,
-    admit_attention,
-    is_mla_backend_name,
+from vllm_dcp_geometry import vllm_objects
+from vllm_dcp_geometry.cli.plan.attention import (
+    check_attention_backend,
+    group_attention,
 )
-from vllm_dcp_geometry.cli import _vllm
 from vllm_dcp_geometry.contract import scheduler_block_size, virtual_block_size
 from vllm_dcp_geometry.geometry import (
     BLOCK_TABLE_ENTRY_BYTES,
     default_shard_count,
-    group_name,
     runner_table_width,
 )
-from vllm_dcp_geometry.layer_classes import GENERIC_LAYERS
 from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
 
 _DELTA_KEYS = (
@@ -100,134 +97,6 @@ def _delta(patched: dict[str, Any], upstream: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-DEFAULT_ATTENTION_BACKENDS = {
-    "mla": "FLASH_ATTN_MLA",
-    "full_attention": "FLASH_ATTN",
-    "sliding_window": "FLASH_ATTN",
-}
-"""What vLLM 0.33.0 picks first for a group's kind on a Hopper (SM90) GPU
-(``vllm.platforms.cuda``'s backend priorities). ``--attention-backend NAME``
-replaces it for the groups of NAME's kind (MLA backends for MLA groups)."""
-
-NON_CAUSAL_DCP_MLA_BACKEND = "FLASHINFER_MLA"
-"""What vLLM 0.33.0 picks on SM90 for an MLA layer with non-causal
-multi-token decode (a DSpark draft) under DCP: its selector keeps only
-builders with ``supports_non_causal_multi_token_dcp``, whatever the group's
-K (the selector runs with the model, before any spec is known)."""
-
-NON_CAUSAL_DCP_MLA_BACKENDS = frozenset(
-    {"FLASHINFER_MLA", "TOKENSPEED_MLA", "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA"}
-)
-"""MLA backends whose builder has ``supports_non_causal_multi_token_dcp``
-(a test checks the list against vLLM's importable backends)."""
-
-_ATTENTION_KINDS = {
-    "mla": AttentionKind.MLA,
-    "full_attention": AttentionKind.ATTENTION,
-    "sliding_window": AttentionKind.ATTENTION,
-    "mamba": AttentionKind.NONE,
-}
-
-
-def check_attention_backend(name: str | None) -> str | None:
-    """``name`` if it is one of vLLM's attention backends (exit 2 otherwise)."""
-    if name is None:
-        return None
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    names = [member.name for member in AttentionBackendEnum]
-    if name not in names:
-        raise TopologyError(
-            f"--attention-backend {name!r} is not a vLLM attention backend; "
-            f"one of: {', '.join(names)}"
-        )
-    return name
-
-
-def default_attention_backend(group: CacheGroup, dcp: int) -> str:
-    """The backend vLLM 0.33.0 selects for the group on SM90."""
-    if (
-        group.kind == "mla"
-        and dcp > 1
-        and group.spec_fields.get("non_causal_multi_token_decode", False)
-    ):
-        return NON_CAUSAL_DCP_MLA_BACKEND
-    return DEFAULT_ATTENTION_BACKENDS[group.kind]
-
-
-def group_layer_class(group: CacheGroup) -> str | None:
-    """The class that reads the group's cache (None for recurrent state)."""
-    if not group.is_attention:
-        return None
-    return group.layer_class or GENERIC_LAYERS[group.kind == "mla"]
-
-
-def vllm_selector_refusal(
-    group: CacheGroup, index: int, backend: str | None, dcp: int
-) -> str | None:
-    """vLLM's own refusal at model construction, which no K changes: its
-    selector refuses non-causal multi-token MLA decode (a DSpark draft)
-    under DCP on a backend without DSpark DCP support."""
-    non_causal = group.spec_fields.get("non_causal_multi_token_decode", False)
-    if not non_causal or dcp == 1 or backend in NON_CAUSAL_DCP_MLA_BACKENDS:
-        return None
-    return (
-        f"{group_name(group.layers, index)}: attention backend {backend}: vLLM "
-        "0.33.0's attention selector refuses non-causal multi-token MLA decode "
-        "(a DSpark draft) under DCP on this backend, whatever the group's K (it "
-        "selects when the model is built, before any KV-cache spec); use "
-        f"{' or '.join(sorted(NON_CAUSAL_DCP_MLA_BACKENDS))}"
-    )
-
-
-def group_attention(
-    group: CacheGroup,
-    index: int,
-    spec: Any,
-    topology: Topology,
-    attention_backend: str | None,
-) -> dict[str, Any]:
-    """How the group's attention runs at start-up: the admission rule the
-    runtime calls, with the group named as the runtime names KV-cache group
-    ``index`` and its first layer standing for the layer class."""
-    dcp = topology.decode_context_parallel_size
-    kind = _ATTENTION_KINDS[group.kind]
-    backend = None
-    if kind is not AttentionKind.NONE:
-        backend = default_attention_backend(group, dcp)
-        if attention_backend is not None and is_mla_backend_name(attention_backend) == (
-            kind is AttentionKind.MLA
-        ):
-            backend = attention_backend
-    layer_class = group_layer_class(group)
-    refusal = vllm_selector_refusal(group, index, backend, dcp)
-    if refusal is not None:
-        return {
-            "layer_class": layer_class,
-            "attention_backend": backend,
-            "attention_mode": "refused",
-            "attention_refusal": refusal,
-        }
-    admission = admit_attention(
-        owner=group_name(group.layers, index),
-        kind=kind,
-        backend=backend,
-        shard_count=spec.dcp_shard_count(dcp),
-        dcp_world_size=dcp,
-        default_shard_count=default_shard_count(spec, dcp),
-        interleave_size=topology.interleave_size,
-        layer_class=layer_class,
-        layer_name=group.layers[0],
-        layer_features=frozenset(group.attention_features),
-    )
-    return {
-        "layer_class": layer_class,
-        "attention_backend": backend,
-        "attention_mode": admission.mode.value,
-        "attention_refusal": admission.reason or None,
-    }
-
-
 def misread_by_upstream(group: dict[str, Any]) -> bool:
     """Whether unpatched vLLM 0.33.0 writes the group's cache with one K and
     its attention reads it with another."""
@@ -257,7 +126,7 @@ def _plan_group(
 
     dcp = topology.decode_context_parallel_size
     length = topology.max_model_len
-    spec = _vllm.build_spec(group, topology, patched=True)
+    spec = vllm_objects.build_spec(group, topology, patched=True)
     k = spec.dcp_shard_count(dcp)
     if k != group.shard_count(dcp):
         raise TopologyError(
@@ -269,14 +138,16 @@ def _plan_group(
         spec,
         k=k,
         width=spec.max_num_blocks_per_req(config, length),
-        pages=_vllm.pages_per_request(spec, config),
+        pages=vllm_objects.pages_per_request(spec, config),
         **common,
     )
     upstream = _geometry(
         spec,
         k=default_shard_count(spec, dcp),
-        width=_vllm.upstream_method(spec, "max_num_blocks_per_req")(config, length),
-        pages=_vllm.pages_per_request(spec, config, upstream=True),
+        width=vllm_objects.upstream_method(spec, "max_num_blocks_per_req")(
+            config, length
+        ),
+        pages=vllm_objects.pages_per_request(spec, config, upstream=True),
         **common,
     )
     upstream["attention_shard_count"] = upstream_read_shard_count(spec, dcp)
@@ -304,11 +175,11 @@ def build_plan(
     ``attention_backend`` (a vLLM backend name) replaces the default backend
     of the groups of its kind; every group gets its ``attention_mode``.
     """
-    if not _vllm.is_vllm_patched():
+    if not vllm_objects.is_vllm_patched():
         raise TopologyError(
             "plan needs the vllm-dcp-geometry plugin registered in this process"
         )
-    config = _vllm.sizing_config(topology)
+    config = vllm_objects.sizing_config(topology)
     attention_backend = check_attention_backend(attention_backend)
     groups = [
         _plan_group(group, index, topology, config, attention_backend)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_dcp_geometry.cli import _vllm
+from vllm_dcp_geometry import vllm_objects
 from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.geometry import BLOCK_TABLE_ENTRY_BYTES, runner_table_width
 from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
@@ -66,11 +66,11 @@ def group_sizes(topology: Topology) -> list[GroupSize]:
     """Each group's sizes from the specs of this process's vLLM (patched after
     ``register()``, else upstream's)."""
     check_cache_dtypes(topology)
-    patched = _vllm.is_vllm_patched()
-    config = _vllm.sizing_config(topology)
+    patched = vllm_objects.is_vllm_patched()
+    config = vllm_objects.sizing_config(topology)
     sizes = []
     for group in topology.groups:
-        spec = _vllm.build_spec(group, topology, patched=patched)
+        spec = vllm_objects.build_spec(group, topology, patched=patched)
         width = spec.max_num_blocks_per_req(config, topology.max_model_len)
         sizes.append(
             GroupSize(
@@ -78,7 +78,7 @@ def group_sizes(topology: Topology) -> list[GroupSize]:
                 block_size=spec.block_size,
                 width=width,
                 aligned_width=runner_table_width(spec, width),
-                pages_per_request=_vllm.pages_per_request(spec, config),
+                pages_per_request=vllm_objects.pages_per_request(spec, config),
                 page_size_bytes=spec.page_size_bytes,
             )
         )
