@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Where every group's K is vLLM's own default, a patched function takes
-upstream's path exactly: the same reads of config and runner state, in the
-same order, the same writes, the same result or exception.
+"""Where every group's K is vLLM's own default and upstream is right, a
+patched function takes upstream's path exactly: the same reads of config and
+runner state, in the same order, the same writes, the same result or
+exception. Where upstream is wrong although every K is its default (Model
+Runner V2 drops a replicated sliding window's null masking at D > 1), the
+patched path runs.
 
 Each case runs the patched function and its original
 (``_patching.original_of``) on strict doubles: config and runner objects
@@ -286,6 +289,186 @@ def test_v2_initialize_kv_cache_hands_back(layout: str, dcp: int) -> None:
         lambda: {"self": v2_runner(carrier(dcp)), "kv_cache_config": kv_config(*specs)},
     ).outcome
     assert outcome[0] == "AttributeError" and "jit_warmup_registry" in outcome[1]
+
+
+def v2_runner_to_tables(config: SimpleNamespace) -> Any:
+    """A V2 runner double that lasts through ``BlockTables``
+    (``tests.worker_harness``): upstream stops when it reads ``pcp_manager``."""
+    from tests import worker_harness
+
+    return worker_harness.v2_runner_state(
+        config,
+        dcp_rank=config.parallel_config.decode_context_parallel_size - 1,
+        max_model_len=4096,
+        max_num_reqs=2,
+        max_num_tokens=32,
+    )
+
+
+def inserted_accesses(patched: Callable[..., Any], make_args: Args) -> list:
+    """What ``patched`` reads beyond its original, anywhere: the original's
+    accesses must all be there, in order, with the same outcome."""
+    original = original_of(patched)
+    want = trace(original, make_args)
+    got = trace(patched, make_args)
+    assert got.outcome == want.outcome
+    extra, matched = [], 0
+    for access in got.accesses:
+        if matched < len(want.accesses) and access == want.accesses[matched]:
+            matched += 1
+        else:
+            extra.append(access)
+    assert matched == len(want.accesses), (got.accesses, want.accesses)
+    return extra
+
+
+WINDOW = k.SlidingWindowSpec(
+    block_size=16, sliding_window=64, dcp_sharded=False, **ATTN
+)
+WRONG_UPSTREAM_LAYOUTS = {
+    "replicated-window": (WINDOW,),
+    "sharded+replicated+mamba+window": (
+        full(),
+        full(dcp_sharded=False),
+        mamba(),
+        WINDOW,
+    ),
+}
+
+
+@pytest.fixture
+def v2_tables_only(v2_on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model Runner V2 builds no attention groups (no layers registered)."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    from tests import worker_harness
+
+    monkeypatch.setattr(
+        model_runner, "init_attn_backend", worker_harness.no_attention_backends
+    )
+
+
+def _v2_trace_args(specs: tuple[Any, ...], dcp: int) -> Args:
+    return lambda: {
+        "self": v2_runner_to_tables(carrier(dcp)),
+        "kv_cache_config": kv_config(*specs),
+    }
+
+
+@pytest.mark.parametrize("dcp", [1, 4])
+@pytest.mark.parametrize("layout", sorted({**DEFAULT_LAYOUTS, **REPLICATED_LAYOUTS}))
+def test_v2_hands_back_through_the_block_tables(
+    v2_tables_only: None, layout: str, dcp: int
+) -> None:
+    """Upstream is right: its path exactly, up to and including the
+    ``BlockTables`` it builds, which take no shard counts."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    specs = {**DEFAULT_LAYOUTS, **REPLICATED_LAYOUTS}[layout]
+    args = _v2_trace_args(specs, dcp)
+    assert inserted_accesses(GPUModelRunner.initialize_kv_cache, args) == []
+    got = trace(GPUModelRunner.initialize_kv_cache, args)
+    assert got.outcome[0] == "TablesBuilt"
+    assert ("set", "self.block_tables") in got.accesses
+
+
+@pytest.mark.parametrize("layout", sorted(WRONG_UPSTREAM_LAYOUTS))
+def test_v2_patched_path_runs_where_upstream_is_wrong(
+    v2_tables_only: None, layout: str
+) -> None:
+    """A replicated sliding window at D > 1: every K is the default, but
+    upstream would drop its masking, so the tables take the shard counts. The
+    wrapper still reads nothing before upstream starts; it learns D, the PCP
+    size and the interleave when upstream builds the tables."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from tests import worker_harness
+
+    specs = WRONG_UPSTREAM_LAYOUTS[layout]
+    parallel = "self.vllm_config.parallel_config"
+    assert inserted_accesses(
+        GPUModelRunner.initialize_kv_cache, _v2_trace_args(specs, 4)
+    ) == [
+        ("get", "self.dcp_size"),
+        ("get", "self.vllm_config"),
+        ("get", parallel),
+        ("get", f"{parallel}.decode_context_parallel_size"),
+        ("get", f"{parallel}.prefill_context_parallel_size"),
+        ("get", f"{parallel}.cp_kv_cache_interleave_size"),
+    ]
+    runner = v2_runner_to_tables(carrier(4))
+    worker_harness.run_v2_initialize_kv_cache(
+        GPUModelRunner.initialize_kv_cache, runner, kv_config(*specs)
+    )
+    assert runner.block_tables.dcp_shard_counts == tuple(
+        4 if s is specs[0] and s.dcp_sharded else 1 for s in specs
+    )
+    assert runner.block_tables.has_sliding_window_groups
+    # At D = 1 upstream masks by itself: the wrapper reads D, nothing else.
+    assert inserted_accesses(
+        GPUModelRunner.initialize_kv_cache, _v2_trace_args(specs, 1)
+    ) == [("get", "self.dcp_size")]
+
+
+# vLLM's own unit tests: doubles of their own -----------------------------------
+
+
+def test_v1_hands_back_a_spec_double(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``test_input_batch_reinitialized_after_late_interleave_adjustment``
+    passes a spec that is no ``KVCacheSpec`` and a config without a parallel
+    section: upstream reads none of it, nor may the wrapper."""
+    import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind
+
+    monkeypatch.setattr(
+        gpu_model_runner,
+        "get_kv_cache_spec_kind",
+        lambda _: KVCacheSpecKind.FULL_ATTENTION,
+    )
+
+    def args() -> dict[str, Any]:
+        runner = v1_runner(carrier(4))
+        del runner.vllm_config.parallel_config
+        runner.vllm_config.reasoning_config = None
+        spec = SimpleNamespace(block_size=16, max_num_blocks_per_req=lambda *_: 4)
+        return {
+            "self": runner,
+            "kv_cache_config": SimpleNamespace(
+                kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)]
+            ),
+        }
+
+    patched = gpu_model_runner.GPUModelRunner.may_reinitialize_input_batch
+    # The specs decide (the double records the KV-cache config too); nothing
+    # of the runner or its config is read before upstream.
+    assert extra_accesses(patched, args) == [("get", "kv_cache_config.kv_cache_groups")]
+    assert trace(patched, args).outcome == ("returned", "None")
+
+
+def test_v2_reads_nothing_before_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``test_v2_runner_snapshots_late_interleave_adjustment``: upstream
+    takes the interleave, then raises from its second step on a config with no
+    groups; the wrapper must not read the config first."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    class StopInitialization(Exception):
+        pass
+
+    def stop(value: Any) -> Any:
+        raise StopInitialization
+
+    monkeypatch.setattr(model_runner, "deepcopy", stop)
+
+    def args() -> dict[str, Any]:
+        runner = SimpleNamespace(
+            parallel_config=SimpleNamespace(cp_kv_cache_interleave_size=16),
+            cp_interleave=1,
+        )
+        return {"self": runner, "kv_cache_config": SimpleNamespace()}
+
+    patched = model_runner.GPUModelRunner.initialize_kv_cache
+    assert_hands_back(patched, args)
+    assert trace(patched, args).outcome[0] == "StopInitialization"
 
 
 # The scheduler's block sizes ----------------------------------------------------

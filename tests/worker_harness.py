@@ -270,9 +270,101 @@ def v2_table_args(
     """The per-group arguments Model Runner V2's ``initialize_kv_cache`` gives
     ``BlockTables``, from the same spec methods it calls (one restatement of
     upstream's loop, shared with ``simulate``)."""
-    from vllm_dcp_geometry.cli.simulate_workers_v2 import upstream_v2_table_args
+    from vllm_dcp_geometry.cli.simulate.workers_v2 import upstream_v2_table_args
 
     return upstream_v2_table_args(kv_cache_config, vllm_config, max_len)
+
+
+class TablesBuilt(Exception):
+    """Ends a run of Model Runner V2's ``initialize_kv_cache`` right after it
+    built its ``BlockTables`` (its next step reads ``pcp_manager``)."""
+
+
+class V2RunnerState(SimpleNamespace):
+    """What Model Runner V2's ``initialize_kv_cache`` reads up to and
+    including building its ``BlockTables``, without a model."""
+
+    @property
+    def pcp_manager(self) -> Any:
+        raise TablesBuilt
+
+
+class _NoAttentionCgSupport:
+    def narrow(self, *args: Any) -> _NoAttentionCgSupport:
+        return self
+
+
+def no_attention_backends(*args: Any, **kwargs: Any) -> tuple[list, Any, list]:
+    """``init_attn_backend`` for a KV-cache config without attention layers
+    registered: no attention groups (the tables do not depend on them)."""
+    return [], _NoAttentionCgSupport(), []
+
+
+def v2_runner_state(
+    vllm_config: Any,
+    *,
+    dcp_rank: int,
+    max_model_len: int,
+    max_num_reqs: int,
+    max_num_tokens: int,
+    device: torch.device | str = "cpu",
+) -> V2RunnerState:
+    """A rank's runner state for ``v2_runner_block_tables``."""
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    parallel = vllm_config.parallel_config
+    return V2RunnerState(
+        vllm_config=vllm_config,
+        parallel_config=parallel,
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        speculator=None,
+        jit_warmup_registry=JitWarmupRegistry(vllm_config),
+        model_state=SimpleNamespace(
+            get_additional_cg_support=lambda: (), num_new_sampled_tokens_per_step=1
+        ),
+        req_states=None,
+        input_buffers=SimpleNamespace(query_start_loc=None),
+        vocab_size=64,
+        batch_sharder=None,
+        max_num_reqs=max_num_reqs,
+        max_num_tokens=max_num_tokens,
+        device=torch.device(device),
+        dcp_size=parallel.decode_context_parallel_size,
+        dcp_rank=dcp_rank,
+        cp_interleave=1,
+    )
+
+
+def run_v2_initialize_kv_cache(
+    initialize_kv_cache: Callable[..., Any], runner: Any, kv_cache_config: Any
+) -> None:
+    """Run ``initialize_kv_cache`` (the real method, patched or not, or its
+    original) on ``runner`` until it has built its ``BlockTables``, with
+    ``init_attn_backend`` building no attention groups."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    saved = model_runner.init_attn_backend
+    model_runner.init_attn_backend = no_attention_backends
+    try:
+        initialize_kv_cache(runner, kv_cache_config)
+    except TablesBuilt:
+        return
+    finally:
+        model_runner.init_attn_backend = saved
+    raise AssertionError("initialize_kv_cache returned before reading pcp_manager")
+
+
+def v2_runner_block_tables(kv_cache_config: Any, vllm_config: Any, **state: Any) -> Any:
+    """The ``BlockTables`` the real ``GPUModelRunner.initialize_kv_cache``
+    (patched or not) builds on a rank (``state``: ``v2_runner_state``'s)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    runner = v2_runner_state(vllm_config, **state)
+    run_v2_initialize_kv_cache(
+        GPUModelRunner.initialize_kv_cache, runner, kv_cache_config
+    )
+    return runner.block_tables
 
 
 def build_v2_tables(

@@ -33,7 +33,10 @@ inner wrappers hand straight back to upstream. There are exactly three:
 ``pending_dcp_shard_counts`` / ``pending_shard_counts``
     Set by Model Runner V2's ``initialize_kv_cache``; read by
     ``BlockTables.__init__``, which upstream builds with one ``cp_size`` and a
-    sharded/replicated bool per group. Why: a partial group needs its own K.
+    sharded/replicated bool per group. Why: a partial group needs its own K,
+    and a replicated sliding-window group its null masking. The runner sets
+    a function the reader calls, so that it reads nothing before upstream's
+    own first steps (and exceptions); None from it means upstream's tables.
 
 Each wrapper that sets a channel checks afterwards that the reader really
 used it (the runners compare the tables they got with the layout), so a
@@ -45,36 +48,68 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vllm_dcp_geometry.contract import GroupGeometry
     from vllm_dcp_geometry.geometry import BlockTableLayout
 
-CHANNELS: tuple[tuple[str, str, str], ...] = (
-    (
+
+@dataclass(frozen=True)
+class SideChannel:
+    """One side channel: the function that sets it and the one that reads it
+    (as vLLM pairs ``set_forward_context`` and ``get_forward_context``), the
+    patches that write and read it, and what the reader takes from it.
+
+    Writer and reader patches must be removed together (their
+    ``REMOVE_WITH``); a test checks that each writer calls ``setter`` and each
+    reader ``getter``."""
+
+    setter: str
+    getter: str
+    writers: tuple[str, ...]
+    """Patch modules (under ``vllm_dcp_geometry.patches``) that set it."""
+    readers: tuple[str, ...]
+    """Patch modules that read it."""
+    written_when: str
+    read_for: str
+
+
+_BUILDERS = ("worker.flash_attn", "worker.flashinfer", "worker.mla_attention")
+CHANNELS: tuple[SideChannel, ...] = (
+    SideChannel(
         "use_group_geometry",
+        "current_group_geometry",
+        _BUILDERS,
+        _BUILDERS,
         "attention metadata builders (FlashAttention, FlashInfer, MLA) while "
         "a group's upstream builder code runs",
         "the backends' `get_dcp_world_size_and_rank` (and FlashInfer's "
         "`get_dcp_local_seq_lens`) answer the group's `(K, r % K)`; MLA's "
-        "`get_dcp_group` a world of 1 (K = 1) and its "
-        "`build_mla_chunked_context_metadata` plans over K shards",
+        "`get_dcp_group` a world of 1 (K = 1), its DSpark check runs as at "
+        "DCP 1, and its `build_mla_chunked_context_metadata` plans over K shards",
     ),
-    (
+    SideChannel(
         "pending_block_table_layout",
+        "pending_layout",
+        ("worker.gpu_model_runner",),
+        ("worker.block_table",),
         "Model Runner V1 `may_reinitialize_input_batch`",
         "`MultiGroupBlockTable.__init__` (built inside `InputBatch`) takes each "
         "group's K, width and slot mode",
     ),
-    (
+    SideChannel(
         "pending_dcp_shard_counts",
+        "pending_shard_counts",
+        ("worker.gpu_model_runner_v2",),
+        ("worker.gpu_block_table",),
         "Model Runner V2 `initialize_kv_cache`",
         "`BlockTables.__init__` takes each group's K",
     ),
 )
-"""(channel, set by, what reads it): the README's side-channel table."""
+"""Every side channel: the README's side-channel table is made from these."""
 
 
 TAKEN_LAYOUT_ATTR = "dcp_geometry_layout"
@@ -90,9 +125,12 @@ _active_group: contextvars.ContextVar[GroupGeometry | None] = contextvars.Contex
 _pending_layout: contextvars.ContextVar[BlockTableLayout | None] = (
     contextvars.ContextVar("vllm_dcp_geometry_block_table_layout", default=None)
 )
-_pending_shard_counts: contextvars.ContextVar[tuple[int, ...] | None] = (
-    contextvars.ContextVar("vllm_dcp_geometry_shard_counts", default=None)
-)
+ShardCountsSource = Callable[[], "Sequence[int] | None"]
+"""Works out the per-group K when a ``BlockTables`` asks (None: upstream's)."""
+
+_pending_shard_counts: contextvars.ContextVar[
+    tuple[int, ...] | ShardCountsSource | None
+] = contextvars.ContextVar("vllm_dcp_geometry_shard_counts", default=None)
 
 
 @contextlib.contextmanager
@@ -127,10 +165,13 @@ def pending_layout() -> BlockTableLayout | None:
 
 
 @contextlib.contextmanager
-def pending_dcp_shard_counts(shard_counts: Sequence[int]) -> Iterator[None]:
-    """Hand ``shard_counts`` (one K per group) to every ``BlockTables`` built
-    inside."""
-    token = _pending_shard_counts.set(tuple(shard_counts))
+def pending_dcp_shard_counts(
+    shard_counts: Sequence[int] | ShardCountsSource,
+) -> Iterator[None]:
+    """Hand ``shard_counts`` (one K per group, or a function giving them) to
+    every ``BlockTables`` built inside."""
+    value = shard_counts if callable(shard_counts) else tuple(shard_counts)
+    token = _pending_shard_counts.set(value)
     try:
         yield
     finally:
@@ -139,4 +180,8 @@ def pending_dcp_shard_counts(shard_counts: Sequence[int]) -> Iterator[None]:
 
 def pending_shard_counts() -> tuple[int, ...] | None:
     """The per-group K a ``BlockTables`` being built should take."""
-    return _pending_shard_counts.get()
+    value = _pending_shard_counts.get()
+    if callable(value):
+        counts = value()
+        return None if counts is None else tuple(counts)
+    return value

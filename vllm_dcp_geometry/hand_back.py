@@ -9,7 +9,9 @@ exception. Deciding that must not itself read the config, so it is decided
 from the specs alone: a spec whose K follows its ``dcp_sharded`` flag at
 every D needs no D to be handed back. Only a spec that carries an explicit
 ``dcp_kv_shard_count`` (or whose type the contract does not know, or a
-recurrent spec flagged sharded) makes a wrapper read D and decide.
+recurrent spec flagged sharded) makes a wrapper read D and decide. An
+object that is not a vLLM ``KVCacheSpec`` at all (vLLM's own unit tests pass
+such doubles) carries nothing the plugin gives a K to: upstream's path.
 vLLM is imported inside the functions.
 """
 
@@ -27,10 +29,13 @@ def follows_vllm_default(spec: Any) -> bool:
         AttentionSpec,
         HiSparseHotSpec,
         HiSparseResidentSpec,
+        KVCacheSpec,
         MambaSpec,
         UniformTypeKVCacheSpecs,
     )
 
+    if not isinstance(spec, KVCacheSpec):
+        return True
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return all(follows_vllm_default(s) for s in spec.kv_cache_specs.values())
     if isinstance(spec, (AttentionSpec, HiSparseHotSpec, HiSparseResidentSpec)):

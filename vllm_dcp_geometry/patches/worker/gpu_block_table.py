@@ -12,7 +12,9 @@ same launch), and once more per contiguous run of groups with any other K, on
 that run's slice of the per-group tensors, with ``CP_SIZE = K`` and ``cp_rank
 = r % K``. Where every group's K is what upstream implies from ``dcp_sharded``
 (D or 1), the original method runs. Sliding-window null masking stays on for
-replicated groups (K = 1), whose columns still cover contiguous token ranges.
+replicated groups (K = 1), whose columns still cover contiguous token ranges:
+Model Runner V2 hands the counts over wherever a replicated sliding-window
+group exists at D > 1, even if every K is vLLM's default.
 
 Why: vLLM 0.33.0 has one ``CP_SIZE`` for all groups plus a sharded/replicated
 bool, so a partial group (1 < K < D) gets the D-shard mapping, and it turns the
@@ -48,7 +50,7 @@ REMOVE_WHEN = "vLLM's V2 block tables take the DCP shard count per cache group"
 RELATED = "vllm#56723 (per-group dcp_sharded in BlockTables); vllm#51031"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M,
         "BlockTables.__init__",
@@ -61,6 +63,8 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "BlockTables.compute_slot_mappings",
         "self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=",
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Launched, not replaced.
     UpstreamSymbol(
         _M,
@@ -72,6 +76,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     ),
     UpstreamSymbol(_M, "PAD_SLOT_ID"),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ("worker.gpu_model_runner_v2",)
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 @dataclass(frozen=True)

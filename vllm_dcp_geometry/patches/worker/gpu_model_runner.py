@@ -12,7 +12,11 @@ Upstream gives every token-slot table the global D, which is right only for
 a sharded group at its default K: where every table is one of those or
 recurrent state (whose table maps no slots), decided from the specs alone
 (``hand_back``), and at D = 1, it calls the original before reading anything
-else. A replicated token-slot group at D > 1 is not such a case.
+else; a spec that is not a vLLM ``KVCacheSpec`` (vLLM's own tests pass
+doubles) follows upstream too. A replicated token-slot group at D > 1 is not
+such a case. Model Runner V1 of vLLM 0.33.0 has no sliding-window null
+masking at any D (Model Runner V2 has), so a replicated sliding-window group
+here keeps exactly its D = 1 table.
 It also wraps ``GPUModelRunner.get_kv_cache_spec``: the specs this worker
 collects get the operator's ``--additional-config`` DCP geometry overrides
 (``vllm_dcp_geometry.overrides``), identically on every worker.
@@ -49,7 +53,7 @@ WHY = (
 REMOVE_WHEN = "Model Runner V1 passes per-group DCP geometry to its block tables"
 RELATED = "vllm#40996 (DCP with hybrid attention); none gives V1 tables a K"
 
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         UPSTREAM_MODULE,
         "GPUModelRunner.may_reinitialize_input_batch",
@@ -57,6 +61,10 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     ),
     UpstreamSymbol(UPSTREAM_MODULE, "GPUModelRunner.get_kv_cache_spec", "self"),
 )
+RELIES_ON: tuple[UpstreamSymbol, ...] = ()
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ("worker.block_table",)
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 RUNNER_LAYOUT_ATTR = "dcp_geometry_layout"
 """Runner attribute holding the layout its current input batch was built with."""
@@ -79,18 +87,28 @@ def check_input_batch_layout(block_table: Any, layout: BlockTableLayout) -> None
     if not ok:
         raise DcpGeometryError(
             "Model Runner V1's input batch was not built with the per-group DCP "
-            "block-table layout; refusing to run with the global DCP geometry"
+            "block-table layout: vllm_dcp_geometry.patches.worker.block_table "
+            "(this patch's partner, REMOVE_WITH) should have taken it from "
+            "pending_block_table_layout; refusing to run with the global DCP "
+            "geometry"
         )
 
 
 def upstream_tables_fit(kv_cache_config: Any) -> bool:
     """Whether upstream's tables are right at every D, from the specs alone:
     each non-encoder group is recurrent state (no slot mapping) or sharded
-    attention whose K follows its flag (K = D, the D upstream gives it)."""
-    from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
+    attention whose K follows its flag (K = D, the D upstream gives it). A
+    group whose spec is no ``KVCacheSpec`` (a test double) has no K either."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheSpec,
+        KVCacheSpecKind,
+        get_kv_cache_spec_kind,
+    )
 
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
+        if not isinstance(spec, KVCacheSpec):
+            continue
         kind = get_kv_cache_spec_kind(spec)
         if kind == KVCacheSpecKind.ENCODER_ONLY_ATTENTION:
             continue

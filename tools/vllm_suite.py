@@ -1,0 +1,518 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Run vLLM's own unit tests unpatched and patched; fail on what only the
+plugin breaks.
+
+vLLM's tests for the code this plugin patches are the best check that every
+wrapper takes upstream's path where it should. The installed release's tests
+come from its PyPI sdist (the wheel ships none), fetched once with
+``pip download`` and cached under ``.cache/vllm-<version>-src`` (only
+``tests/`` and ``pyproject.toml``: vLLM's source tree must never shadow the
+installed ``vllm``). Every test file runs twice, each time in a fresh process
+on CPU (``CUDA_VISIBLE_DEVICES=``, ``TRITON_INTERPRET=1``, the hub offline):
+unpatched (``VLLM_PLUGINS=`` empty, no plugin loads) and patched (the plugin
+loaded through vLLM's own ``load_general_plugins`` entry point). This module
+is also the pytest plugin (``-p vllm_suite``) of those runs: it loads the
+plugins and asserts the plugin is active exactly in the patched run.
+
+Exit status: 0 when every test that passes unpatched passes patched, 1 when
+any does not, 2 on bad input or when the sdist cannot be fetched. Tests that
+fail or skip in both runs (hub models, GPUs, missing test dependencies) are
+reported as such, grouped by reason.
+
+    python tools/vllm_suite.py            # the KV-cache core list (CI)
+    python tools/vllm_suite.py --all      # every file of the list
+    python tools/vllm_suite.py tests/v1/core/test_kv_cache_utils.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CACHE_DIR = REPO_ROOT / ".cache"
+PLUGIN_NAME = "dcp_geometry"
+"""The plugin's ``vllm.general_plugins`` entry-point name (pyproject.toml)."""
+
+MODE_ENV = "VLLM_SUITE_MODE"
+RECORD_ENV = "VLLM_SUITE_RECORD"
+UNPATCHED, PATCHED = "unpatched", "patched"
+
+CORE_FILES: tuple[str, ...] = (
+    "tests/v1/core/test_prefix_caching.py",
+    "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py",
+    "tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_kv_cache_planning.py",
+    "tests/v1/worker/test_gpu_block_table.py",
+    "tests/v1/worker/test_gpu_input_batch.py",
+    "tests/v1/worker/test_gpu_model_runner.py",
+    "tests/v1/worker/test_gpu_model_runner_v2.py",
+)
+"""The KV-cache core CI runs: prefix caching and partial prefix hits,
+``kv_cache_utils``, single-type managers, planning, block tables, runners."""
+
+ALL_FILES: tuple[str, ...] = (
+    *CORE_FILES,
+    "tests/v1/test_kv_cache_spec_registry.py",
+    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py",
+    "tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py",
+    "tests/v1/core/test_kv_cache_config_builder.py",
+    "tests/v1/core/test_swa_inflight_window_free.py",
+    "tests/v1/core/test_contiguous_kv_packing.py",
+    "tests/v1/core/test_mamba_align_chunk_split.py",
+    "tests/v1/core/test_kv_sharing.py",
+    "tests/v1/core/test_deferred_block_free.py",
+    "tests/v1/core/test_worker_slot_overflow.py",
+    "tests/v1/core/test_prefix_replay.py",
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/worker/test_gpu_input_batch_v2.py",
+    "tests/v1/worker/test_cp_utils.py",
+    "tests/v1/worker/test_attn_utils.py",
+    "tests/v1/worker/test_utils.py",
+    "tests/v1/worker/test_kv_cache_allocation_scope.py",
+    "tests/v1/worker/test_mamba_utils.py",
+    "tests/v1/worker/test_gpu_warmup_blocks.py",
+    "tests/v1/worker/test_kv_block_zeroer.py",
+    "tests/v1/attention/test_attention_backends.py",
+    "tests/v1/attention/test_mla_backends.py",
+    "tests/v1/attention/test_flashinfer_mla_dcp.py",
+    "tests/v1/attention/test_dcp_a2a_pack_mask.py",
+    "tests/v1/attention/test_mla_context_chunks.py",
+    "tests/v1/attention/test_group_sliding_window.py",
+    "tests/v1/attention/test_mamba_align_block_table.py",
+)
+"""vLLM's tests of what the plugin patches: KV-cache specs, planning,
+managers, prefix caching, block tables, runners, DCP attention."""
+
+
+class SourceUnavailable(RuntimeError):
+    """vLLM's sdist could not be fetched (no network, no such release)."""
+
+
+# Fetching the tests ---------------------------------------------------------------
+
+KEEP = ("tests", "pyproject.toml", "PKG-INFO")
+"""What the cache keeps of the sdist: the tests and vLLM's pytest settings."""
+
+
+def installed_vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+def source_dir(version: str, cache_dir: Path = CACHE_DIR) -> Path:
+    return cache_dir / f"vllm-{version}-src"
+
+
+def _is_release_tree(path: Path, version: str) -> bool:
+    info = path / "PKG-INFO"
+    if not (info.is_file() and (path / "tests").is_dir()):
+        return False
+    head = info.read_text(encoding="utf-8", errors="replace").splitlines()[:10]
+    return "Name: vllm" in head and f"Version: {version}" in head
+
+
+def _copy_kept(tree: Path, target: Path) -> None:
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    staging.chmod(0o755)
+    for name in KEEP:
+        source = tree / name
+        if source.is_dir():
+            shutil.copytree(source, staging / name, symlinks=True)
+        elif source.is_file():
+            shutil.copy2(source, staging / name)
+    try:
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _extract_archive(archive: Path, into: Path) -> Path:
+    with tarfile.open(archive) as tar:
+        members = [
+            m for m in tar.getmembers() if m.name.split("/")[1:2] in [[k] for k in KEEP]
+        ]
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(into, members=members, filter="data")
+        else:  # Python < 3.10.12 / 3.11.4: no extraction filters
+            tar.extractall(into, members=members)
+    roots = {m.name.split("/")[0] for m in members}
+    if len(roots) != 1:
+        raise SourceUnavailable(f"{archive.name}: not one source tree")
+    return into / roots.pop()
+
+
+def fetch_source(version: str, cache_dir: Path = CACHE_DIR) -> Path:
+    """vLLM ``version``'s tests, from the cache or its sdist.
+
+    ``pip download --no-binary :all:`` fetches the sdist and unpacks it to
+    prepare its metadata, which fails for vLLM (its build needs CUDA tooling);
+    ``--no-clean`` keeps the unpacked tree, which is all we need. Nothing is
+    built or installed (``--no-build-isolation --no-deps``).
+    """
+    target = source_dir(version, cache_dir)
+    if _is_release_tree(target, version):
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="vllm-sdist.", dir=cache_dir))
+    try:
+        downloads, scratch = work / "download", work / "tmp"
+        downloads.mkdir()
+        scratch.mkdir()
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"vllm=={version}",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--no-build-isolation",
+            "--no-clean",
+            "--progress-bar",
+            "off",
+            "-d",
+            str(downloads),
+        ]
+        env = {**os.environ, "TMPDIR": str(scratch), "PIP_NO_INPUT": "1"}
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=1800
+        )
+        trees = [
+            _extract_archive(a, work / "unpacked")
+            for a in sorted(downloads.glob(f"vllm-{version}.tar.gz"))
+        ]
+        trees += [p.parent for p in scratch.glob("*/*/PKG-INFO")]
+        tree = next((t for t in trees if _is_release_tree(t, version)), None)
+        if tree is None:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            raise SourceUnavailable(
+                f"could not fetch vllm=={version}'s sdist with pip (exit "
+                f"{done.returncode}): " + " | ".join(tail)
+            )
+        if target.exists():
+            shutil.rmtree(target)
+        try:
+            _copy_kept(tree, target)
+        except OSError:
+            if not _is_release_tree(target, version):  # not another fetch's
+                raise
+        return target
+    except (OSError, subprocess.SubprocessError, tarfile.TarError) as exc:
+        raise SourceUnavailable(
+            f"could not fetch vllm=={version}'s sdist: {exc}"
+        ) from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# Running one file -----------------------------------------------------------------
+
+
+@dataclass
+class FileRun:
+    """One test file in one mode: every test's outcome and why it failed."""
+
+    file: str
+    mode: str
+    returncode: int
+    seconds: float
+    outcomes: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    patches: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def run_env(mode: str, record: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        TRITON_INTERPRET="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+        VLLM_PLUGINS="" if mode == UNPATCHED else PLUGIN_NAME,
+        **{MODE_ENV: mode, RECORD_ENV: str(record)},
+    )
+    return env
+
+
+def parse_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Outcome (passed, failed, error, skipped) and failure reason by test id."""
+    outcomes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = "passed"
+        for tag in ("skipped", "error", "failure"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                message = (found.get("message") or found.text or "").strip()
+                reasons[test] = message.splitlines()[0][:160] if message else tag
+        # A teardown error after a failure keeps the failure.
+        if outcomes.get(test) in ("failed", "error"):
+            continue
+        outcomes[test] = outcome
+    return outcomes, reasons
+
+
+def run_file(src: Path, file: str, mode: str, out_dir: Path, timeout: float) -> FileRun:
+    """``file`` under pytest in a fresh process (``mode``: patched or not)."""
+    stem = file.replace("/", "_").removesuffix(".py")
+    junit = out_dir / f"{mode}-{stem}.xml"
+    record = out_dir / f"{mode}-{stem}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "vllm_suite",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--junitxml",
+        str(junit),
+        file,
+    ]
+    start = time.monotonic()
+    note = ""
+    try:
+        done = subprocess.run(
+            command,
+            cwd=src,
+            env=run_env(mode, record),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+        returncode, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode, note = -1, f"timed out after {timeout:.0f} s"
+        output = (exc.stdout or b"").decode(errors="replace") if exc.stdout else ""
+    run = FileRun(file, mode, returncode, time.monotonic() - start, note=note)
+    if junit.is_file():
+        try:
+            run.outcomes, run.reasons = parse_junit(junit)
+        except ET.ParseError as exc:
+            run.note = run.note or f"unreadable junit XML: {exc}"
+    if record.is_file():
+        run.patches = json.loads(record.read_text())["patches"]
+    if not run.outcomes and not run.note:
+        tail = output.strip().splitlines()[-3:]
+        run.note = f"no test outcomes (pytest exit {returncode}): " + " | ".join(tail)
+    return run
+
+
+# Comparing ------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """Per-test outcomes of both runs, classified."""
+
+    regressions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Passed unpatched, not passed patched: test id -> (outcome, reason)."""
+    passed_both: int = 0
+    fixed: list[str] = field(default_factory=list)
+    """Failed or skipped unpatched, passed patched."""
+    not_passing_both: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Failed or skipped in both: test id -> (unpatched outcome, reason)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions
+
+
+def compare(
+    unpatched: Mapping[str, str],
+    patched: Mapping[str, str],
+    reasons: Mapping[str, str] | None = None,
+    patched_reasons: Mapping[str, str] | None = None,
+) -> Comparison:
+    """Classify every test of either run; a test the patched run lacks (its
+    process crashed, it was not collected) counts as not passed there."""
+    reasons = reasons or {}
+    patched_reasons = patched_reasons or {}
+    result = Comparison()
+    for test in sorted(set(unpatched) | set(patched)):
+        before = unpatched.get(test, "missing")
+        after = patched.get(test, "missing")
+        if before == "passed" and after == "passed":
+            result.passed_both += 1
+        elif before == "passed":
+            result.regressions[test] = (after, patched_reasons.get(test, ""))
+        elif after == "passed":
+            result.fixed.append(test)
+        else:
+            result.not_passing_both[test] = (before, reasons.get(test, ""))
+    return result
+
+
+def compare_runs(runs: Iterable[FileRun]) -> Comparison:
+    by_mode: dict[str, dict[str, str]] = {UNPATCHED: {}, PATCHED: {}}
+    why: dict[str, dict[str, str]] = {UNPATCHED: {}, PATCHED: {}}
+    for run in runs:
+        by_mode[run.mode].update(run.outcomes)
+        why[run.mode].update(run.reasons)
+        if not run.outcomes:
+            key = f"{run.file}::<file>"
+            by_mode[run.mode][key] = "crashed"
+            why[run.mode][key] = run.note
+    return compare(by_mode[UNPATCHED], by_mode[PATCHED], why[UNPATCHED], why[PATCHED])
+
+
+def report(runs: Sequence[FileRun], result: Comparison, out: Path | None) -> str:
+    lines = [f"{'file':<66} {'unpatched':>17} {'patched':>17}"]
+    by_file: dict[str, dict[str, FileRun]] = collections.defaultdict(dict)
+    for run in runs:
+        by_file[run.file][run.mode] = run
+    for file, modes in by_file.items():
+        cells = []
+        for mode in (UNPATCHED, PATCHED):
+            run = modes[mode]
+            counts = collections.Counter(run.outcomes.values())
+            cells.append(
+                f"{counts['passed']:>4}p {counts['failed'] + counts['error']:>3}f "
+                f"{counts['skipped']:>3}s {run.seconds:>4.0f}s"
+                if run.outcomes
+                else f"{'no outcomes':>17}"
+            )
+        lines.append(f"{file:<66} {cells[0]:>17} {cells[1]:>17}")
+    active = sorted({p for r in runs if r.mode == PATCHED for p in r.patches})
+    lines.append(f"patch modules applied in the patched runs: {len(active)}")
+    lines.append(
+        f"passed in both: {result.passed_both}; fixed by the plugin: "
+        f"{len(result.fixed)}; failed or skipped in both: "
+        f"{len(result.not_passing_both)}"
+    )
+    why = collections.Counter(
+        f"{outcome}: {reason}" for outcome, reason in result.not_passing_both.values()
+    )
+    for reason, count in why.most_common(12):
+        lines.append(f"  {count:>5} x {reason}")
+    if len(why) > 12:
+        lines.append(f"  ... {len(why) - 12} other reasons")
+    if result.regressions:
+        lines.append(f"FAIL: {len(result.regressions)} pass unpatched, not patched:")
+        for test, (outcome, reason) in result.regressions.items():
+            lines.append(f"  {test}: {outcome}: {reason}")
+    else:
+        lines.append("OK: every test that passes unpatched passes patched")
+    text = "\n".join(lines)
+    if out is not None:
+        out.write_text(
+            json.dumps(
+                {
+                    "runs": [asdict(r) for r in runs],
+                    "regressions": result.regressions,
+                    "fixed": result.fixed,
+                    "not_passing_both": result.not_passing_both,
+                    "passed_both": result.passed_both,
+                },
+                indent=1,
+            )
+        )
+    return text
+
+
+def run_suite(
+    src: Path, files: Sequence[str], *, jobs: int, timeout: float
+) -> list[FileRun]:
+    missing = [f for f in files if not (src / f).is_file()]
+    if missing:
+        raise SystemExit(f"not in {src}: {', '.join(missing)}")
+    with tempfile.TemporaryDirectory(prefix="vllm-suite.") as tmp:
+        tasks = [(f, m) for f in files for m in (UNPATCHED, PATCHED)]
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = [
+                pool.submit(run_file, src, f, m, Path(tmp), timeout) for f, m in tasks
+            ]
+            return [f.result() for f in futures]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", help="test files (default: core list)")
+    parser.add_argument("--all", action="store_true", help="every file of the list")
+    parser.add_argument("--list", action="store_true", help="print the files")
+    parser.add_argument("--src", type=Path, help="vLLM source tree with tests/")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout", type=float, default=1200, help="s per file")
+    parser.add_argument("--json", type=Path, help="write every outcome here")
+    args = parser.parse_args(argv)
+    files = list(args.files or (ALL_FILES if args.all else CORE_FILES))
+    if args.list:
+        print("\n".join(files))
+        return 0
+    try:
+        src = args.src or fetch_source(installed_vllm_version())
+    except SourceUnavailable as exc:
+        print(f"vllm_suite: {exc}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    runs = run_suite(src, files, jobs=args.jobs, timeout=args.timeout)
+    result = compare_runs(runs)
+    print(report(runs, result, args.json))
+    print(f"{len(files)} files, both modes, in {time.monotonic() - start:.0f} s")
+    return 0 if result.ok else 1
+
+
+# The pytest plugin of the runs (-p vllm_suite) ----------------------------------
+
+
+def pytest_configure(config: object) -> None:
+    """Load vLLM's general plugins the way its processes do, then check the
+    plugin is active exactly in the patched run (its public API is there)."""
+    mode = os.environ.get(MODE_ENV)
+    if mode is None:
+        return
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import vllm.v1.kv_cache_interface as kv_cache_interface
+
+    active = hasattr(kv_cache_interface, "get_kv_cache_dcp_shard_count")
+    if active != (mode == PATCHED):
+        raise RuntimeError(
+            f"vllm_suite: {mode} run, but the DCP geometry plugin is "
+            f"{'active' if active else 'not active'}"
+        )
+
+
+def pytest_sessionfinish(session: object, exitstatus: int) -> None:
+    """Record which patch modules applied during the run."""
+    record = os.environ.get(RECORD_ENV)
+    if os.environ.get(MODE_ENV) is None or not record:
+        return
+    plugin = sys.modules.get("vllm_dcp_geometry.plugin")
+    patches = sorted(plugin.applied_patches()) if plugin is not None else []
+    if os.environ[MODE_ENV] == UNPATCHED and patches:
+        raise RuntimeError(f"vllm_suite: unpatched run applied {patches}")
+    Path(record).write_text(json.dumps({"patches": patches}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
