@@ -51,6 +51,8 @@ from tests.mla_ranks import (
     common_metadata,
     make_ranks,
     mla_spec,
+    recording,
+    run_rank,
 )
 from vllm_dcp_geometry.contract import reference_slot_mapping
 
@@ -262,54 +264,27 @@ def kimi_forward(
         )
         for r in range(dcp)
     ]
-    records: dict[int, dict[str, Any]] = {}
 
     def on_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(shape.device, shape.dtype).contiguous()
 
     def run(r: int) -> torch.Tensor:
-        layer = layers[r]
-        bound_forward_mqa = layer.impl.forward_mqa
-
-        def forward_mqa(*args: Any) -> Any:
-            out, lse = bound_forward_mqa(*args)
-            records.setdefault(r, {})["local_lse"] = lse
-            return out, lse
-
         h = shape.heads_per_rank
-        output = torch.zeros(
-            batch.num_tokens,
-            h * shape.v_head_dim,
-            dtype=shape.dtype,
-            device=shape.device,
-        )
-        with replaced(layer.impl, "forward_mqa", forward_mqa):
-            layer._attention(
+
+        def call(output: torch.Tensor) -> None:
+            layers[r]._attention(
                 torch.arange(batch.num_tokens, device=shape.device),
                 on_device(batch.q[:, r * h : (r + 1) * h]),
                 on_device(new_kv_c),
                 on_device(new_k_pe)[:, None, :],
                 output,
             )
-        return output
+
+        return run_rank(batch, layers[r], r, records, call)
 
     from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (
         CPUSDPAMLAPrefillBackend,
     )
-    from vllm.v1.attention.ops import dcp as dcp_ops
-
-    correct, merge = dcp_ops.correct_attn_out, kimi_mla.merge_attn_states
-
-    def correct_attn_out(*args: Any, **kwargs: Any) -> Any:
-        out, lse = correct(*args, **kwargs)
-        records.setdefault(coop.local.rank, {})["combined_lse"] = lse.clone()
-        return out, lse
-
-    def merge_attn_states(*args: Any, **kwargs: Any) -> Any:
-        records.setdefault(coop.local.rank, {})["context_lse"] = kwargs[
-            "prefix_lse"
-        ].clone()
-        return merge(*args, **kwargs)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(
@@ -319,8 +294,7 @@ def kimi_forward(
                 lambda: forward_contexts[coop.local.rank],
             )
         )
-        stack.enter_context(replaced(dcp_ops, "correct_attn_out", correct_attn_out))
-        stack.enter_context(replaced(kimi_mla, "merge_attn_states", merge_attn_states))
+        records = stack.enter_context(recording(coop, kimi_mla))
         if shape.device == "cpu":
             # The CPU backend says it honours ``out`` but refuses it for
             # context chunks, which the layer's DCP1 context loop passes it.

@@ -250,17 +250,22 @@ class RankResult:
 
 
 @contextmanager
-def recording(coop: CooperativeRanks) -> Iterator[dict[int, dict[str, Any]]]:
-    """Record, per rank, the LSEs its attention hands on."""
+def recording(
+    coop: CooperativeRanks, merge_owner: Any = None
+) -> Iterator[dict[int, dict[str, Any]]]:
+    """Record, per rank, the LSEs its attention hands on: the DCP combine's
+    and the prefill context's (``merge_attn_states`` as ``merge_owner``, by
+    default vLLM's MLA module, imported it)."""
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.v1.attention.ops import dcp
 
     records: dict[int, dict[str, Any]] = {}
+    owner = mla_attention if merge_owner is None else merge_owner
 
     def mine() -> dict[str, Any]:
         return records.setdefault(coop.local.rank, {})
 
-    correct, merge = dcp.correct_attn_out, mla_attention.merge_attn_states
+    correct, merge = dcp.correct_attn_out, owner.merge_attn_states
 
     def correct_attn_out(*args: Any, **kwargs: Any) -> Any:
         out, lse = correct(*args, **kwargs)
@@ -273,9 +278,37 @@ def recording(coop: CooperativeRanks) -> Iterator[dict[int, dict[str, Any]]]:
 
     with (
         replaced(dcp, "correct_attn_out", correct_attn_out),
-        replaced(mla_attention, "merge_attn_states", merge_attn_states),
+        replaced(owner, "merge_attn_states", merge_attn_states),
     ):
         yield records
+
+
+def run_rank(
+    batch: Batch,
+    layer: Any,
+    rank: int,
+    records: dict[int, dict[str, Any]],
+    call: Callable[[torch.Tensor], None],
+) -> torch.Tensor:
+    """One rank's attention: ``call(output)`` with the layer's impl recording
+    the LSE its decode kernel returns; the rank's output."""
+    shape = batch.shape
+    local_forward_mqa = layer.impl.forward_mqa
+
+    def forward_mqa(*args: Any) -> Any:
+        out, lse = local_forward_mqa(*args)
+        records.setdefault(rank, {})["local_lse"] = lse
+        return out, lse
+
+    output = torch.zeros(
+        batch.num_tokens,
+        shape.heads_per_rank * shape.v_head_dim,
+        dtype=shape.dtype,
+        device=shape.device,
+    )
+    with replaced(layer.impl, "forward_mqa", forward_mqa):
+        call(output)
+    return output
 
 
 def forward(
@@ -296,22 +329,10 @@ def forward(
         return tensor.to(shape.device, shape.dtype).contiguous()
 
     def run(r: int) -> torch.Tensor:
-        layer = ranks[r].layer
-        local_forward_mqa = layer.impl.forward_mqa
-
-        def forward_mqa(*args: Any) -> Any:
-            out, lse = local_forward_mqa(*args)
-            records.setdefault(r, {})["local_lse"] = lse
-            return out, lse
-
         h = shape.heads_per_rank
-        output = torch.empty(
-            batch.num_tokens,
-            h * shape.v_head_dim,
-            dtype=shape.dtype,
-            device=shape.device,
-        )
-        with replaced(layer.impl, "forward_mqa", forward_mqa):
+        layer = ranks[r].layer
+
+        def call(output: torch.Tensor) -> None:
             layer.forward_impl(
                 on_device(batch.q[:, r * h : (r + 1) * h]),
                 on_device(new_kv_c),
@@ -320,7 +341,8 @@ def forward(
                 metadata[r],
                 output=output,
             )
-        return output
+
+        return run_rank(batch, layer, r, records, call)
 
     with recording(coop) as records:
         outputs = coop.run(run)

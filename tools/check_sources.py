@@ -55,7 +55,7 @@ REGISTRY = (
     Path("vllm_dcp_geometry/patches/__init__.py"),
     Path("vllm_dcp_geometry/plugin.py"),
 )
-REGISTRY_NAMES = {"PATCH_MODULES", "patch_table_markdown"}
+REGISTRY_NAMES = {"PATCH_MODULES", "PATCH_PACKAGE", "patch_table_markdown"}
 TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
 
 

@@ -3,8 +3,12 @@
 """How patches are declared, checked and applied.
 
 Every patch module under ``vllm_dcp_geometry.patches`` declares the upstream
-module it patches, the symbols it replaces (with the parameter list it was
-written against), why, and when it can go. ``plugin.register`` applies each
+module it patches, the symbols it replaces (``REPLACES``) apart from those it
+only relies on (``RELIES_ON``), both with the parameter list they were written
+against, the attributes it adds (``ADDS``), the patches it must be removed
+with (``REMOVE_WITH``), why, and when it can go. Every change a patch makes
+while it applies is entered in a ledger (``changes_made_by``), so a test can
+hold the declaration to what was really done. ``plugin.register`` applies each
 one the moment its upstream module is imported (at once if it already is,
 through ``_import_hooks``), so a process only pays for the vLLM modules it
 really loads. A symbol that is missing or whose parameters changed raises
@@ -65,12 +69,80 @@ class PatchModule(Protocol):
 
     UPSTREAM_MODULE: str
     RUNS_IN: RunsIn
+    REPLACES: tuple[UpstreamSymbol, ...]
+    """Upstream symbols the patch wraps (exactly those)."""
+    RELIES_ON: tuple[UpstreamSymbol, ...]
+    """Upstream symbols it does not change but whose behaviour it assumes."""
+    ADDS: tuple[str, ...]
+    """Attributes (qualnames in the upstream module) the patch defines anew."""
+    REMOVE_WITH: tuple[str, ...]
+    """Patch modules (``worker.block_table``) that stop working without this
+    one, and it without them: remove them together (symmetric)."""
     PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...]
+    """``REPLACES + RELIES_ON``: everything ``register()`` pins."""
     WHY: str
     REMOVE_WHEN: str
     RELATED: str
 
     def apply(self, module: ModuleType) -> None: ...
+
+
+# The ledger of what each patch changed ------------------------------------------
+
+
+ChangeKind = Literal["wrap", "add", "assign", "item"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change a patch made while it applied."""
+
+    kind: ChangeKind
+    owner: str
+    """``module`` or ``module.QualName`` of the object changed (for an
+    ``item``, the type of the mapping)."""
+    name: str
+
+
+_ledger: dict[str, list[Change]] = {}
+_applying = threading.local()
+
+
+@contextlib.contextmanager
+def applying(patch_name: str) -> Iterator[None]:
+    """Enter every change made in this block under ``patch_name``."""
+    outer = getattr(_applying, "name", None)
+    _applying.name = patch_name
+    try:
+        yield
+    finally:
+        _applying.name = outer
+
+
+def _enter(kind: ChangeKind, owner: str, name: str) -> None:
+    patch = getattr(_applying, "name", None)
+    if patch is None:
+        return
+    entries = _ledger.setdefault(patch, [])
+    entries.append(Change(kind, owner, name))
+
+    def undo() -> None:
+        entries.pop()
+
+    _record(undo)
+
+
+def changes_made_by(patch_name: str) -> tuple[Change, ...]:
+    """What ``patch_name`` changed in this process (empty if it never ran)."""
+    return tuple(_ledger.get(patch_name, ()))
+
+
+def owner_path(owner: Any) -> str:
+    if isinstance(owner, ModuleType):
+        return owner.__name__
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return type(owner).__name__
 
 
 # Undo journal -------------------------------------------------------------------
@@ -85,8 +157,9 @@ def _record(undo: Callable[[], None]) -> None:
         entries.append(undo)
 
 
-def _assign(owner: Any, name: str, value: Any) -> None:
-    """``setattr``, recorded so an ``undo_on_error`` block can restore it."""
+def _assign(owner: Any, name: str, value: Any, kind: ChangeKind = "assign") -> None:
+    """``setattr``, recorded so an ``undo_on_error`` block can restore it,
+    and entered in the ledger of the patch applying."""
     namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
     previous = namespace.get(name, _MISSING)
 
@@ -99,6 +172,7 @@ def _assign(owner: Any, name: str, value: Any) -> None:
 
     _record(undo)
     setattr(owner, name, value)
+    _enter(kind, owner_path(owner), name)
 
 
 def set_item(mapping: MutableMapping[Any, Any], key: Any, value: Any) -> None:
@@ -114,6 +188,7 @@ def set_item(mapping: MutableMapping[Any, Any], key: Any, value: Any) -> None:
 
     _record(undo)
     mapping[key] = value
+    _enter("item", type(mapping).__name__, str(key))
 
 
 @contextlib.contextmanager
@@ -269,7 +344,20 @@ def wrap(
         new = classmethod(new)
     elif isinstance(raw, staticmethod):
         new = staticmethod(new)
-    _assign(owner, name, new)
+    _assign(owner, name, new, "wrap")
+
+
+def require_class_path(module: ModuleType, name: str, expected: str) -> type:
+    """``module.name``, a class whose ``module.qualname`` must be ``expected``
+    (the path a table of this plugin names it by)."""
+    cls = getattr(module, name)
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    if path != expected:
+        raise UpstreamChangedError(
+            f"{module.__name__}.{name} is {path}, not {expected}, the class this "
+            "plugin was taught; review the plugin against this vLLM"
+        )
+    return cls
 
 
 def add_attribute(owner: type | ModuleType, name: str, value: Any) -> None:
@@ -289,7 +377,7 @@ def add_attribute(owner: type | ModuleType, name: str, value: Any) -> None:
             f"{where} now defines {name!r} itself; vllm-dcp-geometry would shadow "
             "it. Review the plugin against this vLLM before running."
         )
-    _assign(owner, name, value)
+    _assign(owner, name, value, "add")
 
 
 def rebind_module_references(

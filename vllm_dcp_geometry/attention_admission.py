@@ -70,31 +70,49 @@ class TaughtBackend:
     kind: AttentionKind
     builder: str
     """``module.qualname`` of the builder class the patches act on."""
+    patch: str
+    """The patch module (under ``vllm_dcp_geometry.patches``) that teaches
+    the builder; where it is not applied, start-up refuses the backend's
+    K < D naming it."""
 
 
 _BACKENDS = "vllm.v1.attention.backends."
+_MLA_PATCH = "worker.mla_attention"
 TAUGHT_BACKENDS: dict[str, TaughtBackend] = {
     "FLASH_ATTN": TaughtBackend(
-        AttentionKind.ATTENTION, _BACKENDS + "flash_attn.FlashAttentionMetadataBuilder"
+        AttentionKind.ATTENTION,
+        _BACKENDS + "flash_attn.FlashAttentionMetadataBuilder",
+        "worker.flash_attn",
     ),
     "FLASHINFER": TaughtBackend(
-        AttentionKind.ATTENTION, _BACKENDS + "flashinfer.FlashInferMetadataBuilder"
+        AttentionKind.ATTENTION,
+        _BACKENDS + "flashinfer.FlashInferMetadataBuilder",
+        "worker.flashinfer",
     ),
     "FLASHMLA": TaughtBackend(
-        AttentionKind.MLA, _BACKENDS + "mla.flashmla.FlashMLAMetadataBuilder"
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashmla.FlashMLAMetadataBuilder",
+        _MLA_PATCH,
     ),
     "FLASH_ATTN_MLA": TaughtBackend(
-        AttentionKind.MLA, _BACKENDS + "mla.flashattn_mla.FlashAttnMLAMetadataBuilder"
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashattn_mla.FlashAttnMLAMetadataBuilder",
+        _MLA_PATCH,
     ),
     "FLASHINFER_MLA": TaughtBackend(
         AttentionKind.MLA,
         _BACKENDS + "mla.flashinfer_mla.FlashInferMLAMetadataBuilder",
+        _MLA_PATCH,
     ),
     "CUTLASS_MLA": TaughtBackend(
-        AttentionKind.MLA, _BACKENDS + "mla.cutlass_mla.CutlassMLAMetadataBuilder"
+        AttentionKind.MLA,
+        _BACKENDS + "mla.cutlass_mla.CutlassMLAMetadataBuilder",
+        _MLA_PATCH,
     ),
     "TRITON_MLA": TaughtBackend(
-        AttentionKind.MLA, _BACKENDS + "mla.triton_mla.TritonMLAMetadataBuilder"
+        AttentionKind.MLA,
+        _BACKENDS + "mla.triton_mla.TritonMLAMetadataBuilder",
+        _MLA_PATCH,
     ),
 }
 """Every backend the plugin taught a group's K, by vLLM backend name. Any

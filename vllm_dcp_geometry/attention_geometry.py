@@ -30,8 +30,10 @@ from vllm_dcp_geometry.attention_admission import (
     TAUGHT_BACKENDS,
     AttentionAdmission,
     AttentionKind,
+    AttentionMode,
     admit_attention,
     impl_world_refusal,
+    local_only_builder,
     taught_backend_name,
     vllm_shard_count,
 )
@@ -354,7 +356,33 @@ def admit_group(
             return admission
     if admission is None:
         raise DcpGeometryError(f"{geometry.describe()}: the group has no layers")
-    return admission
+    return _require_teaching_patch(admission, geometry, backend)
+
+
+def _require_teaching_patch(
+    admission: AttentionAdmission, geometry: GroupGeometry, backend: str
+) -> AttentionAdmission:
+    """A local or partial admission relies on the patch that teaches the
+    backend's builder; without it (removed, or its module never imported)
+    the builder would run vLLM's D-wide path on this cache."""
+    if admission.mode not in (AttentionMode.LOCAL, AttentionMode.DCP_PARTIAL):
+        return admission
+    taught = TAUGHT_BACKENDS.get(backend)
+    patch = taught.patch if taught is not None else None
+    if patch is None and local_only_builder(backend) is not None:
+        patch = "worker.mla_attention"
+    if patch is None:
+        return admission
+    from vllm_dcp_geometry import plugin
+
+    if plugin.patch_applied(patch):
+        return admission
+    return AttentionAdmission(
+        AttentionMode.REFUSED,
+        f"{geometry.describe()}: attention backend {backend} runs K="
+        f"{geometry.shard_count} only through the patch "
+        f"{plugin.patch_module_name(patch)}, which is not applied in this process",
+    )
 
 
 def check_sharding_of_replicated_layer(

@@ -23,7 +23,7 @@ from types import ModuleType
 
 from vllm_dcp_geometry import _import_hooks, _patching
 from vllm_dcp_geometry._version import installed_vllm_version, pinned_vllm_version
-from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.patches import PATCH_MODULES, PATCH_PACKAGE
 
 logger = logging.getLogger("vllm_dcp_geometry")
 
@@ -73,7 +73,8 @@ def _verify_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> 
 
 def _apply_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> None:
     _verify_patch_module(patch, upstream)
-    patch.apply(upstream)
+    with _patching.applying(patch.__name__):  # type: ignore[attr-defined]
+        patch.apply(upstream)
     _applied[patch.__name__] = upstream.__name__  # type: ignore[attr-defined]
     logger.debug("vllm-dcp-geometry patched %s", upstream.__name__)
 
@@ -124,3 +125,14 @@ def _install_hooks(patches: list[_patching.PatchModule]) -> None:
 def applied_patches() -> dict[str, str]:
     """Patch modules applied so far in this process, with their vLLM module."""
     return dict(_applied)
+
+
+def patch_module_name(relative: str) -> str:
+    """The full name of a patch module named relative to the patches
+    package (``worker.flash_attn``), as declarations name them."""
+    return f"{PATCH_PACKAGE}.{relative}"
+
+
+def patch_applied(relative: str) -> bool:
+    """Whether the patch module ``relative`` has applied in this process."""
+    return patch_module_name(relative) in applied_patches()

@@ -18,6 +18,8 @@ classes and the registry model patches add their binders to) and
 order in which patches apply when their upstream modules are already loaded.
 """
 
+PATCH_PACKAGE = __name__
+
 PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.common.kv_cache_interface",
     "vllm_dcp_geometry.patches.worker.block_table",
@@ -40,6 +42,22 @@ PATCH_MODULES: tuple[str, ...] = (
 )
 
 
+def _symbol_list(qualnames: list[str]) -> str:
+    """Qualnames for a table cell; an attribute on three or more classes is
+    written once with the count."""
+    by_attr: dict[str, list[str]] = {}
+    for qualname in qualnames:
+        by_attr.setdefault(qualname.rpartition(".")[2], []).append(qualname)
+    cells = []
+    for qualname in qualnames:
+        owners = by_attr[qualname.rpartition(".")[2]]
+        if len(owners) < 3:
+            cells.append(f"`{qualname}`")
+        elif owners[0] == qualname:
+            cells.append(f"`{qualname.rpartition('.')[2]}` of {len(owners)} classes")
+    return ", ".join(cells) or "-"
+
+
 def patch_table_markdown() -> str:
     """The README's tables of patched vLLM symbols and side channels,
     generated from the modules."""
@@ -48,23 +66,34 @@ def patch_table_markdown() -> str:
     from vllm_dcp_geometry.group_context import CHANNELS
 
     rows = [
-        "| runs in | vLLM module | symbols | why | remove when | related |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| runs in | vLLM module | replaces | relies on | adds | remove with | why "
+        "| remove when | related |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in PATCH_MODULES:
         patch = importlib.import_module(name)
-        symbols = ", ".join(f"`{s.qualname}`" for s in patch.PATCHED_SYMBOLS)
+        replaces = _symbol_list([s.qualname for s in patch.REPLACES])
+        relies = _symbol_list([s.qualname for s in patch.RELIES_ON])
+        adds = _symbol_list(list(patch.ADDS))
+        partners = ", ".join(f"`{p}`" for p in patch.REMOVE_WITH) or "-"
         rows.append(
-            f"| {patch.RUNS_IN} | `{patch.UPSTREAM_MODULE}` | {symbols} | "
-            f"{patch.WHY} | {patch.REMOVE_WHEN} | {patch.RELATED} |"
+            f"| {patch.RUNS_IN} | `{patch.UPSTREAM_MODULE}` | {replaces} | {relies} "
+            f"| {adds} | {partners} | {patch.WHY} | {patch.REMOVE_WHEN} "
+            f"| {patch.RELATED} |"
         )
     rows += [
         "",
         "Side channels (`vllm_dcp_geometry/group_context.py`): where a wrapper "
-        "hands a group's geometry to upstream code called deep inside it.",
+        "hands a group's geometry to upstream code called deep inside it. "
+        "Writer and reader patches are removed together.",
         "",
-        "| channel | set by | read by |",
-        "| --- | --- | --- |",
+        "| channel (set / get) | written by | when | read by | for |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    rows += [f"| `{name}` | {setter} | {reader} |" for name, setter, reader in CHANNELS]
+    rows += [
+        f"| `{c.setter}` / `{c.getter}` | {', '.join(f'`{w}`' for w in c.writers)} "
+        f"| {c.written_when} | {', '.join(f'`{r}`' for r in c.readers)} "
+        f"| {c.read_for} |"
+        for c in CHANNELS
+    ]
     return "\n".join(rows)

@@ -33,11 +33,16 @@ WHY = "the forward benchmark restates block_size * D from the boolean dcp_sharde
 REMOVE_WHEN = "vLLM's forward benchmark reads a per-spec DCP shard count"
 RELATED = "none upstream: the benchmark restates the B * D rule inline"
 
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(UPSTREAM_MODULE, "kv_block_size", "spec, dcp_size"),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: it calls the module's kv_block_size.
     UpstreamSymbol(UPSTREAM_MODULE, "_num_blocks", "spec, computed, kv_len, dcp_size"),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def apply(module: ModuleType) -> None:

@@ -64,9 +64,7 @@ RELATED = (
 )
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "KVCacheSpec.dcp_sharded"),
-    UpstreamSymbol(_M, "AttentionSpec.dcp_sharded"),
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(_M, "AttentionSpec.__init__"),
     UpstreamSymbol(_M, "AttentionSpec.__eq__", "self, other"),
     UpstreamSymbol(_M, "AttentionSpec.__repr__", "self"),
@@ -83,12 +81,51 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M, "UniformTypeKVCacheSpecs.is_uniform_type", "cls, kv_cache_specs"
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(_M, "KVCacheSpec.dcp_sharded"),
+    UpstreamSymbol(_M, "AttentionSpec.dcp_sharded"),
     UpstreamSymbol(
         _M, "MambaSpec.max_num_blocks_per_req", "self, vllm_config, max_len"
     ),
     UpstreamSymbol(_M, "HiSparseHotSpec"),
     UpstreamSymbol(_M, "HiSparseResidentSpec"),
 )
+GRAFTED_SPEC_CLASSES = (
+    "FullAttentionSpec",
+    "ChunkedLocalAttentionSpec",
+    "CircularBufferSpec",
+    "CrossAttentionSpec",
+    "EncoderOnlyAttentionSpec",
+    "HiddenStateCacheSpec",
+    "MLAAttentionSpec",
+    "RSWASpec",
+    "SinkFullAttentionSpec",
+    "SlidingWindowMLASpec",
+    "SlidingWindowSpec",
+)
+"""vLLM 0.33.0's dataclass subclasses of ``AttentionSpec``: each gets the
+``dcp_kv_shard_count`` field grafted, which regenerates its dataclass
+``__init__``, ``__eq__`` and ``__repr__`` (subclasses defined later get the
+same through ``KVCacheSpec.__init_subclass__``)."""
+REPLACES += tuple(
+    UpstreamSymbol(_M, f"{cls}.{dunder}")
+    for cls in GRAFTED_SPEC_CLASSES
+    for dunder in ("__init__", "__eq__", "__repr__")
+)
+ADDS: tuple[str, ...] = (
+    "KVCacheSpec.__init_subclass__",
+    "AttentionSpec.dcp_kv_shard_count",
+    "KVCacheSpec.dcp_shard_count",
+    "AttentionSpec.dcp_shard_count",
+    "MambaSpec.dcp_shard_count",
+    "UniformTypeKVCacheSpecs.dcp_shard_count",
+    "HiSparseHotSpec.dcp_shard_count",
+    "HiSparseResidentSpec.dcp_shard_count",
+    "get_kv_cache_dcp_shard_count",
+)
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,16 @@ _INIT_PARAMETERS = (
     "scheduler_block_size, hash_block_size, metrics_collector=, "
     "num_prefill_lookahead=, num_hash_lookahead_tokens="
 )
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(UPSTREAM_MODULE, "KVCacheCoordinator.__init__", _INIT_PARAMETERS),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: its DCP admission check is left to run for upstream geometry.
     UpstreamSymbol(UPSTREAM_MODULE, "HybridKVCacheCoordinator.__init__"),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def check_groups_admissible(

@@ -48,11 +48,15 @@ REMOVE_WHEN = "vLLM plans KV memory from a per-spec DCP shard count"
 RELATED = "none upstream: planning keys on the boolean dcp_sharded"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(_M, "unify_hybrid_kv_cache_specs", "kv_cache_spec"),
     UpstreamSymbol(_M, "_layer_tp_replicas", "spec, tp_size, dcp_size"),
     UpstreamSymbol(_M, "get_global_kv_cache_groups", "vllm_config, kv_cache_specs"),
 )
+RELIES_ON: tuple[UpstreamSymbol, ...] = ()
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_unify(original: Callable[[dict[str, Any]], None]) -> Callable[..., None]:

@@ -51,9 +51,11 @@ REMOVE_WHEN = "vLLM resolves DCP block spans through a per-spec shard count"
 RELATED = "vllm#40996 (review: the B * D rule is spread across the code base)"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(_M, "resolve_dcp_kv_block_size", "spec, dcp_world_size"),
     UpstreamSymbol(_M, "resolve_kv_cache_block_sizes", "kv_cache_config, vllm_config"),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: they call the module's resolve_dcp_kv_block_size.
     UpstreamSymbol(_M, "resolve_dcp_kv_cache_spec", "spec, dcp_world_size"),
     UpstreamSymbol(
@@ -62,6 +64,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "kv_cache_groups, hash_block_size, dcp_world_size=, manager_classes=",
     ),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 class _ParallelConfigView:

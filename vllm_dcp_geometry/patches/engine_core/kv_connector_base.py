@@ -48,13 +48,17 @@ WHY = "several KV connectors restate block_size * D from the boolean dcp_sharded
 REMOVE_WHEN = "vLLM KV connectors read a per-spec DCP shard count"
 RELATED = "vllm#50611 (NIXL DCP for MLA assumes K in {1, D} per side)"
 
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         UPSTREAM_MODULE,
         "KVConnectorBase_V1.__init__",
         "self, vllm_config, role, kv_cache_config",
     ),
 )
+RELIES_ON: tuple[UpstreamSymbol, ...] = ()
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 SHARD_COUNT_AWARE_CONNECTORS: frozenset[str] = frozenset(

@@ -41,7 +41,7 @@ WHY = "managers scale block_size by D from the boolean dcp_sharded, not by K"
 REMOVE_WHEN = "vLLM managers read a per-spec DCP shard count"
 RELATED = "vllm#40996 (Mamba managers undo the DCP block-size scaling)"
 
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         UPSTREAM_MODULE,
         "SingleTypeKVCacheManager.__init__",
@@ -50,6 +50,10 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "needs_kv_cache_zeroing=, max_admission_blocks_per_request=",
     ),
 )
+RELIES_ON: tuple[UpstreamSymbol, ...] = ()
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_init(original: Callable[..., None]) -> Callable[..., None]:

@@ -45,7 +45,7 @@ REMOVE_WHEN = "vLLM's V1 block tables take the DCP shard count per cache group"
 RELATED = "vllm#40996 (DCP with hybrid attention in Model Runner V1 block tables)"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M,
         "BlockTable.__init__",
@@ -60,6 +60,8 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "block_sizes, max_num_blocks, cp_kv_cache_interleave_size=, "
         "slot_mapping_modes=",
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Read, not replaced: the geometry feeds these.
     UpstreamSymbol(
         _M, "get_block_table_width", "max_num_blocks, block_size, *, token_alignment="
@@ -67,6 +69,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(_M, "_COMPUTE_SLOT_MAPPING_KERNEL"),
     UpstreamSymbol(_M, "SlotMappingMode"),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ("worker.gpu_model_runner",)
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 # Wrappers ------------------------------------------------------------------------

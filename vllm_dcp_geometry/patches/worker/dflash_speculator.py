@@ -44,15 +44,20 @@ WHY = (
 REMOVE_WHEN = "the DFlash slot kernels take each draft group's DCP shard count"
 RELATED = "vllm#48392 (dense DFlash/DSpark drafts under DCP)"
 
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         UPSTREAM_MODULE,
         "DFlashSpeculator.set_attn",
         "self, model_state, kv_cache_config, block_tables, target_input_buffers, "
         "target_attn_groups",
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(UPSTREAM_MODULE, "prepare_dflash_inputs"),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def check_draft_group_geometry(

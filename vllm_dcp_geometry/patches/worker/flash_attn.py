@@ -76,13 +76,15 @@ RELATED = (
 )
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(_M, "get_dcp_world_size_and_rank", "enabled="),
     UpstreamSymbol(
         _M,
         "FlashAttentionMetadataBuilder.__init__",
         "self, kv_cache_spec, layer_names, vllm_config, device",
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: the builder reads its geometry and head count from these.
     UpstreamSymbol(
         _M,
@@ -97,6 +99,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     ),
     UpstreamSymbol(_M, "FlashAttentionImpl._forward_with_dcp"),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_dcp_world_size_and_rank(

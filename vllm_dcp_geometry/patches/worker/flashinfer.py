@@ -72,7 +72,7 @@ REMOVE_WHEN = "upstream FlashInfer takes a per-group DCP shard count"
 RELATED = "none upstream: FlashInfer takes DCP from the boolean dcp_sharded"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(_M, "get_dcp_world_size_and_rank", "enabled="),
     UpstreamSymbol(
         _M,
@@ -92,6 +92,8 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M, "FlashInferMetadataBuilder._get_prefill_wrapper", "self, causal="
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: the prefill wrapper keeps its combine in ``_dcp_combine``.
     UpstreamSymbol(
         _M,
@@ -99,6 +101,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "self, kv_layout, workspace_buffer=, dcp_a2a=, use_trtllm_context=",
     ),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_dcp_world_size_and_rank(

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol, wrap
+from vllm_dcp_geometry._patching import UpstreamSymbol, require_class_path, wrap
 from vllm_dcp_geometry.layer_classes import FLINT_ATTENTION, LAYER_CLASS_ATTR
 
 UPSTREAM_MODULE = "vllm.models.flint.model"
@@ -39,12 +39,14 @@ REMOVE_WHEN = "Flint's low-latency decode accepts DCP decode metadata"
 RELATED = "none upstream: forward_ll asserts dcp_query_start_loc is None"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M,
         "FlintAttention.__init__",
         "self, config, layer_idx, cache_config, quant_config, prefix=",
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: the fast path that reads the builder's DCP metadata.
     UpstreamSymbol(
         _M,
@@ -52,6 +54,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "self, positions, hidden_states, residual, input_layernorm",
     ),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -66,10 +71,5 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def apply(module: ModuleType) -> None:
-    cls = module.FlintAttention
-    path = f"{cls.__module__}.{cls.__qualname__}"
-    if path != FLINT_ATTENTION:
-        raise UpstreamChangedError(
-            f"Flint's attention is {path}, not {FLINT_ATTENTION}"
-        )
+    cls = require_class_path(module, "FlintAttention", FLINT_ATTENTION)
     wrap(cls, "__init__", _make_init)

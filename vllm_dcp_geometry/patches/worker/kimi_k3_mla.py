@@ -30,7 +30,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol, set_item
+from vllm_dcp_geometry._patching import UpstreamSymbol, require_class_path, set_item
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.layer_classes import (
     KIMI_K3_MLA,
@@ -49,7 +49,8 @@ REMOVE_WHEN = "Kimi-K3's MLA layer takes its group's DCP shard count"
 RELATED = "none upstream: the layer reads the parallel config's DCP size"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = ()
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: the three places the layer reads its own dcp_world_size.
     UpstreamSymbol(
         _M,
@@ -68,6 +69,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "self, q, attn_metadata",
     ),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ("worker.mla_attention",)
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def bind_kimi_k3_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
@@ -82,10 +86,5 @@ def bind_kimi_k3_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> 
 
 
 def apply(module: ModuleType) -> None:
-    cls = module.MultiHeadLatentAttention
-    path = f"{cls.__module__}.{cls.__qualname__}"
-    if path != KIMI_K3_MLA:
-        raise UpstreamChangedError(
-            f"Kimi-K3's MLA layer is {path}, not the taught {KIMI_K3_MLA}"
-        )
+    require_class_path(module, "MultiHeadLatentAttention", KIMI_K3_MLA)
     set_item(LAYER_BINDERS, LayerBinding.KIMI_K3_MLA, (__name__, bind_kimi_k3_layer))

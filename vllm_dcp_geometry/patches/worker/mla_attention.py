@@ -76,7 +76,7 @@ REMOVE_WHEN = "vLLM's MLA takes a per-group DCP shard count"
 RELATED = "vllm#23734 (MLA DCP sizes its workspaces and combine from D)"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M,
         "MLACommonMetadataBuilder.__init__",
@@ -102,6 +102,8 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         "align_chunk_to_block, device, dcp_world_size, dcp_local_block_size, "
         "dcp_virtual_block_size, dcp_manager=, align_indptr=",
     ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
     # Relied on: the layer reads impl.dcp_world_size, dcp_manager.combine and
     # impl.forward_mqa; the context path splits its workspace by the impl's
     # D and reorganises K shards from the gather.
@@ -122,6 +124,9 @@ PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
         _M, "MLADCPManager.init_kv_gather", "self, workspace, max_gathered_tokens"
     ),
 )
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ("worker.kimi_k3_mla",)
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_get_dcp_group(original: Callable[[], Any]) -> Callable[[], Any]:

@@ -48,13 +48,17 @@ REMOVE_WHEN = "every attention backend takes a per-group DCP shard count"
 RELATED = "none upstream: backends take D from the process group"
 
 _M = UPSTREAM_MODULE
-PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...] = (
+REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M,
         "AttentionGroup.create_metadata_builders",
         "self, vllm_config, device, kernel_block_size=, num_metadata_builders=",
     ),
 )
+RELIES_ON: tuple[UpstreamSymbol, ...] = ()
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def admit_attention_group(group: Any, vllm_config: Any) -> None:

@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Each patch module's declaration is what it does: after ``register()`` the
+symbols it wrapped in its upstream module are exactly its ``REPLACES``, the
+attributes it defined exactly its ``ADDS``, nothing it only ``RELIES_ON`` was
+touched, and its ``REMOVE_WITH`` partners name it back. A walk over every
+patched upstream module finds no wrapper the ledger does not account for.
+Each check is shown to catch a deliberately wrong declaration."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+from typing import Any
+
+import pytest
+
+from vllm_dcp_geometry import _patching
+from vllm_dcp_geometry.patches import PATCH_MODULES
+
+PREFIX = "vllm_dcp_geometry.patches."
+
+
+def _patches() -> list[Any]:
+    return [importlib.import_module(name) for name in PATCH_MODULES]
+
+
+def _relative(owner: str, name: str, module: str) -> str | None:
+    """``Class.attr`` / ``attr`` of a change inside ``module``, else None."""
+    if owner == module:
+        return name
+    if owner.startswith(module + "."):
+        return f"{owner[len(module) + 1 :]}.{name}"
+    return None
+
+
+def declaration_mismatches(
+    patch: Any, changes: tuple[_patching.Change, ...]
+) -> list[str]:
+    """How ``patch``'s declaration differs from the ``changes`` it made."""
+    module = patch.UPSTREAM_MODULE
+    done: dict[str, set[str]] = {"wrap": set(), "add": set()}
+    for change in changes:
+        where = _relative(change.owner, change.name, module)
+        if where is not None and change.kind in done:
+            done[change.kind].add(where)
+    declared = {s.qualname for s in patch.REPLACES}
+    relied = {s.qualname for s in patch.RELIES_ON}
+    problems = [
+        f"wrapped, not in REPLACES: {q}" for q in sorted(done["wrap"] - declared)
+    ]
+    problems += [
+        f"in REPLACES, not wrapped: {q}" for q in sorted(declared - done["wrap"])
+    ]
+    problems += [
+        f"added, not in ADDS: {q}" for q in sorted(done["add"] - set(patch.ADDS))
+    ]
+    problems += [
+        f"in ADDS, not added: {q}" for q in sorted(set(patch.ADDS) - done["add"])
+    ]
+    problems += [f"relied on and replaced: {q}" for q in sorted(relied & declared)]
+    if tuple(patch.PATCHED_SYMBOLS) != tuple(patch.REPLACES) + tuple(patch.RELIES_ON):
+        problems.append("PATCHED_SYMBOLS is not REPLACES + RELIES_ON")
+    return problems
+
+
+@pytest.mark.parametrize("name", PATCH_MODULES)
+def test_a_patch_replaces_exactly_what_it_declares(name: str) -> None:
+    patch = importlib.import_module(name)
+    importlib.import_module(patch.UPSTREAM_MODULE)  # applies the patch
+    assert name in _applied(), name
+    assert declaration_mismatches(patch, _patching.changes_made_by(name)) == []
+
+
+def _applied() -> dict[str, str]:
+    from vllm_dcp_geometry.plugin import applied_patches
+
+    return applied_patches()
+
+
+def test_partners_are_declared_both_ways() -> None:
+    names = {name.removeprefix(PREFIX) for name in PATCH_MODULES}
+    for patch in _patches():
+        own = patch.__name__.removeprefix(PREFIX)
+        for partner in patch.REMOVE_WITH:
+            assert partner in names, (own, partner)
+            other = importlib.import_module(PREFIX + partner)
+            assert own in other.REMOVE_WITH, (own, partner)
+
+
+def _wrappers_in(module: types.ModuleType) -> set[str]:
+    found = set()
+
+    def scan(namespace: dict[str, Any], prefix: str) -> None:
+        for attr, value in list(namespace.items()):
+            if hasattr(_patching._callable_of(value), _patching.ORIGINAL_ATTR):
+                found.add(prefix + attr)
+
+    scan(vars(module), "")
+    for value in list(vars(module).values()):
+        if inspect.isclass(value) and value.__module__ == module.__name__:
+            scan(vars(value), f"{value.__qualname__}.")
+    return found
+
+
+def test_every_wrapper_in_a_patched_module_is_in_a_ledger() -> None:
+    """The walk: a wrapper found in an upstream module was put there by a
+    patch's ledger entry (its own wrap, or another patch's rebind of a
+    ``from x import f`` copy)."""
+    accounted: dict[str, set[str]] = {}
+    for name in PATCH_MODULES:
+        for change in _patching.changes_made_by(name):
+            accounted.setdefault(change.owner, set()).add(change.name)
+    for patch in _patches():
+        module = importlib.import_module(patch.UPSTREAM_MODULE)
+        for qualname in sorted(_wrappers_in(module)):
+            owner, _, attr = f"{module.__name__}.{qualname}".rpartition(".")
+            assert attr in accounted.get(owner, set()), qualname
+
+
+def test_the_check_catches_a_wrong_declaration() -> None:
+    """A fake patch that wraps one symbol, adds one and declares otherwise."""
+    upstream = types.ModuleType("fake_upstream")
+    upstream.f = lambda: 1  # type: ignore[attr-defined]
+    upstream.g = lambda: 2  # type: ignore[attr-defined]
+
+    def apply(module: types.ModuleType) -> None:
+        _patching.wrap(module, "f", lambda original: lambda: original() + 1)
+        _patching.add_attribute(module, "h", lambda: 3)
+
+    with _patching.applying("fake_patch"):
+        apply(upstream)
+    symbol = _patching.UpstreamSymbol
+    wrong = types.SimpleNamespace(
+        UPSTREAM_MODULE="fake_upstream",
+        REPLACES=(symbol("fake_upstream", "g"),),
+        RELIES_ON=(symbol("fake_upstream", "g"),),
+        ADDS=(),
+        PATCHED_SYMBOLS=(),
+    )
+    assert declaration_mismatches(wrong, _patching.changes_made_by("fake_patch")) == [
+        "wrapped, not in REPLACES: f",
+        "in REPLACES, not wrapped: g",
+        "added, not in ADDS: h",
+        "relied on and replaced: g",
+        "PATCHED_SYMBOLS is not REPLACES + RELIES_ON",
+    ]
+    right = types.SimpleNamespace(
+        UPSTREAM_MODULE="fake_upstream",
+        REPLACES=(symbol("fake_upstream", "f"),),
+        RELIES_ON=(symbol("fake_upstream", "g"),),
+        ADDS=("h",),
+        PATCHED_SYMBOLS=(symbol("fake_upstream", "f"), symbol("fake_upstream", "g")),
+    )
+    assert declaration_mismatches(right, _patching.changes_made_by("fake_patch")) == []
+    assert _wrappers_in(upstream) == {"f"}
+
+
+def test_admission_refuses_a_taught_backend_whose_patch_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A maintainer who deletes the FlashAttention patch: admission (the
+    runtime's, which ``AttentionGroup`` calls first) refuses a replicated
+    FLASH_ATTN group, naming the missing patch, instead of letting vLLM's
+    D-wide builder read it."""
+    from vllm_dcp_geometry import attention_geometry, plugin
+    from vllm_dcp_geometry.attention_admission import AttentionKind, AttentionMode
+    from vllm_dcp_geometry.contract import GroupGeometry
+
+    config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(prefill_context_parallel_size=1),
+        compilation_config=types.SimpleNamespace(static_forward_context={}),
+        additional_config=None,
+        model_config=types.SimpleNamespace(rswa_window=None, is_mm_prefix_lm=False),
+    )
+    geometry = GroupGeometry("g", 1, 4, 2, default_shard_count=1)
+
+    def admit() -> Any:
+        return attention_geometry.admit_group(
+            geometry,
+            kind=AttentionKind.ATTENTION,
+            backend="FLASH_ATTN",
+            vllm_config=config,
+            layer_names=["missing.layer"],
+        )
+
+    applied = plugin.applied_patches()
+    monkeypatch.setattr(
+        plugin,
+        "applied_patches",
+        lambda: {**applied, PREFIX + "worker.flash_attn": "x"},
+    )
+    assert admit().mode is AttentionMode.LOCAL
+    without = {k: v for k, v in applied.items() if not k.endswith("worker.flash_attn")}
+    monkeypatch.setattr(plugin, "applied_patches", lambda: without)
+    refused = admit()
+    assert refused.refused
+    assert "vllm_dcp_geometry.patches.worker.flash_attn, which is not applied" in (
+        refused.reason
+    )
+
+
+def _names_used(module: types.ModuleType) -> set[str]:
+    import ast
+
+    tree = ast.parse(inspect.getsource(module))
+    return {
+        node.id if isinstance(node, ast.Name) else node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Name, ast.Attribute))
+    }
+
+
+def channel_problems(channels: Any) -> list[str]:
+    """Each channel has both ends: its setter and getter exist in
+    ``group_context``, every writer patch calls the setter, every reader
+    the getter, and writers and readers are each other's partners."""
+    from vllm_dcp_geometry import group_context
+
+    problems = []
+    for channel in channels:
+        for fn in (channel.setter, channel.getter):
+            if not callable(getattr(group_context, fn, None)):
+                problems.append(f"{channel.setter}: no function {fn}")
+        for role, patches, fn in (
+            ("writer", channel.writers, channel.setter),
+            ("reader", channel.readers, channel.getter),
+        ):
+            for name in patches:
+                patch = importlib.import_module(PREFIX + name)
+                if fn not in _names_used(patch):
+                    problems.append(f"{channel.setter}: {role} {name} never uses {fn}")
+        for writer in channel.writers:
+            for reader in set(channel.readers) - set(channel.writers):
+                partners = importlib.import_module(PREFIX + writer).REMOVE_WITH
+                if reader not in partners:
+                    problems.append(
+                        f"{channel.setter}: {writer} is not removed with {reader}"
+                    )
+    return problems
+
+
+def test_every_side_channel_has_both_ends() -> None:
+    from vllm_dcp_geometry.group_context import CHANNELS
+
+    assert len(CHANNELS) == 3
+    assert channel_problems(CHANNELS) == []
+
+
+def test_the_channel_check_catches_a_missing_end() -> None:
+    from vllm_dcp_geometry.group_context import CHANNELS, SideChannel
+
+    v1 = CHANNELS[1]
+    broken = (
+        SideChannel(v1.setter, v1.getter, v1.writers, ("worker.utils",), "", ""),
+        SideChannel(v1.setter, "no_such_getter", v1.writers, v1.readers, "", ""),
+    )
+    assert channel_problems(broken) == [
+        "pending_block_table_layout: reader worker.utils never uses pending_layout",
+        "pending_block_table_layout: worker.gpu_model_runner is not removed with "
+        "worker.utils",
+        "pending_block_table_layout: no function no_such_getter",
+        "pending_block_table_layout: reader worker.block_table never uses "
+        "no_such_getter",
+    ]
+
+
+def test_a_runner_without_its_block_table_partner_refuses_naming_it() -> None:
+    """Delete the V2 block-table patch and keep the V2 runner patch: the
+    runner's check finds tables that did not take the shard counts and names
+    the partner that should have (likewise V1's layout check)."""
+    import torch
+    from vllm.v1 import kv_cache_interface as k
+
+    from tests import worker_harness as h
+    from tests.vllm_configs import make_vllm_config
+    from vllm_dcp_geometry.contract import DcpGeometryError
+    from vllm_dcp_geometry.patches.worker import gpu_model_runner as v1
+    from vllm_dcp_geometry.patches.worker import gpu_model_runner_v2 as v2
+
+    attn = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    partial = k.FullAttentionSpec(block_size=16, dcp_kv_shard_count=2, **attn)
+    config = h.kv_cache_config([("model.layers.0.attn", partial)])
+    runner = types.SimpleNamespace(vllm_config=make_vllm_config(4), dcp_size=4)
+
+    def upstream_without_reader(self: Any, kv_cache_config: Any) -> None:
+        self.block_tables = types.SimpleNamespace()  # took nothing
+
+    with pytest.raises(DcpGeometryError, match=r"patches\.worker\.gpu_block_table"):
+        v2._make_initialize_kv_cache(upstream_without_reader)(runner, config)
+    layout = types.SimpleNamespace(tables=[object()])
+    with pytest.raises(DcpGeometryError, match=r"patches\.worker\.block_table"):
+        v1.check_input_batch_layout(types.SimpleNamespace(block_tables=[]), layout)
