@@ -292,3 +292,62 @@ def test_a_runner_without_its_block_table_partner_refuses_naming_it() -> None:
     layout = types.SimpleNamespace(tables=[object()])
     with pytest.raises(DcpGeometryError, match=r"patches\.worker\.block_table"):
         v1.check_input_batch_layout(types.SimpleNamespace(block_tables=[]), layout)
+
+
+def removal_groups() -> list[tuple[str, ...]]:
+    """The patch modules that go together: the connected parts of the
+    ``REMOVE_WITH`` graph (a patch with no partner is a group of one)."""
+    partners = {
+        patch.__name__: {PREFIX + p for p in patch.REMOVE_WITH} for patch in _patches()
+    }
+    groups, seen = [], set()
+    for name in PATCH_MODULES:
+        if name in seen:
+            continue
+        group, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current not in group:
+                group.add(current)
+                todo.extend(partners[current])
+        seen |= group
+        groups.append(tuple(sorted(group)))
+    return groups
+
+
+WITHOUT_A_GROUP = """
+import importlib, json, sys
+import vllm_dcp_geometry.patches as patches
+import vllm_dcp_geometry.plugin as plugin
+
+removed = set(json.loads(sys.argv[1]))
+plugin.PATCH_MODULES = tuple(m for m in patches.PATCH_MODULES if m not in removed)
+plugin.register()
+for name in plugin.PATCH_MODULES:
+    importlib.import_module(importlib.import_module(name).UPSTREAM_MODULE)
+print(json.dumps(sorted(plugin.applied_patches())))
+"""
+
+
+@pytest.mark.slow
+def test_the_rest_applies_without_each_removal_group() -> None:
+    """A maintainer deletes one group (a patch with its declared partners):
+    every other patch still verifies and applies. What then fails closed
+    without a partner is checked above (admission, the runners' checks,
+    the Kimi-K3 binder)."""
+    import json
+
+    from tests.subprocess_runner import CPU_PRELUDE, REPO_ROOT, run_fresh_python
+
+    groups = removal_groups()
+    assert (PREFIX + "worker.block_table", PREFIX + "worker.gpu_model_runner") in groups
+    assert len(groups) == len(PATCH_MODULES) - 3
+    for group in groups:
+        result = run_fresh_python(
+            ["-c", CPU_PRELUDE + WITHOUT_A_GROUP, json.dumps(group)],
+            patched=False,
+            env={"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_PLUGINS": ""},
+            cwd=REPO_ROOT,
+            timeout=300,
+        )
+        assert result == sorted(set(PATCH_MODULES) - set(group)), group
