@@ -48,9 +48,10 @@ from tests.mla_harness import (
 from tests.mla_ranks import (
     Rank,
     RankResult,
-    common_metadata,
+    forward_inputs,
     make_ranks,
     mla_spec,
+    rank_results,
     recording,
     run_rank,
 )
@@ -246,13 +247,7 @@ def kimi_forward(
 
     shape = batch.shape
     dcp = len(ranks)
-    contexts = [c for c, _ in shape.requests]
-    new_kv_c = torch.cat([kv[c:] for kv, c in zip(batch.kv_c, contexts, strict=True)])
-    new_k_pe = torch.cat([pe[c:] for pe, c in zip(batch.k_pe, contexts, strict=True)])
-    metadata = [
-        rank.builder.build(0, common_metadata(batch, dcp, rank.rank, rank.interleave))
-        for rank in ranks
-    ]
+    new_kv_c, new_k_pe, metadata = forward_inputs(batch, ranks)
     forward_contexts = [
         SimpleNamespace(
             attn_metadata={LAYER: metadata[r]},
@@ -302,20 +297,9 @@ def kimi_forward(
                 replaced(CPUSDPAMLAPrefillBackend, "supports_out", lambda self: False)
             )
         outputs = coop.run(run)
-    results = []
-    for r, output in enumerate(outputs):
-        seen = records.get(r, {})
-        combined = layers[r].dcp_world_size > 1
-        results.append(
-            RankResult(
-                out=output,
-                decode_lse=seen.get("combined_lse" if combined else "local_lse"),
-                decode_lse_is_combined=combined,
-                context_lse=seen.get("context_lse"),
-                metadata=metadata[r],
-            )
-        )
-    return results
+    # Kimi-K3's impl runs in the layer's DCP world (1 for K = 1, else D), so
+    # the impl's world says whether the decode LSE was combined.
+    return rank_results(outputs, layers, records, metadata)
 
 
 def run_kimi_case(

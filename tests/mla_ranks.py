@@ -311,19 +311,53 @@ def run_rank(
     return output
 
 
+def forward_inputs(
+    batch: Batch, ranks: list[Rank]
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """The new tokens' latent and rope key (all requests), and every rank's
+    metadata from its builder's real ``build``."""
+    contexts = [c for c, _ in batch.shape.requests]
+    new_kv_c = torch.cat([kv[c:] for kv, c in zip(batch.kv_c, contexts, strict=True)])
+    new_k_pe = torch.cat([pe[c:] for pe, c in zip(batch.k_pe, contexts, strict=True)])
+    dcp = len(ranks)
+    metadata = [
+        rank.builder.build(0, common_metadata(batch, dcp, rank.rank, rank.interleave))
+        for rank in ranks
+    ]
+    return new_kv_c, new_k_pe, metadata
+
+
+def rank_results(
+    outputs: Sequence[torch.Tensor],
+    layers: Sequence[Any],
+    records: dict[int, dict[str, Any]],
+    metadata: Sequence[Any],
+) -> list[RankResult]:
+    """Every rank's output with the LSEs its attention handed on: the
+    combined decode LSE where the impl runs DCP (the all-to-all combine keeps
+    it to itself: None then), else the local one."""
+    results = []
+    for r, output in enumerate(outputs):
+        seen = records.get(r, {})
+        combined = layers[r].impl.dcp_world_size > 1
+        results.append(
+            RankResult(
+                out=output,
+                decode_lse=seen.get("combined_lse" if combined else "local_lse"),
+                decode_lse_is_combined=combined,
+                context_lse=seen.get("context_lse"),
+                metadata=metadata[r],
+            )
+        )
+    return results
+
+
 def forward(
     batch: Batch, ranks: list[Rank], coop: CooperativeRanks
 ) -> list[RankResult]:
     """Every rank's ``MLAAttention.forward_impl`` over the batch."""
     shape = batch.shape
-    dcp = len(ranks)
-    contexts = [c for c, _ in shape.requests]
-    new_kv_c = torch.cat([kv[c:] for kv, c in zip(batch.kv_c, contexts, strict=True)])
-    new_k_pe = torch.cat([pe[c:] for pe, c in zip(batch.k_pe, contexts, strict=True)])
-    metadata = [
-        rank.builder.build(0, common_metadata(batch, dcp, rank.rank, rank.interleave))
-        for rank in ranks
-    ]
+    new_kv_c, new_k_pe, metadata = forward_inputs(batch, ranks)
 
     def on_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(shape.device, shape.dtype).contiguous()
@@ -346,18 +380,4 @@ def forward(
 
     with recording(coop) as records:
         outputs = coop.run(run)
-    results = []
-    for r, output in enumerate(outputs):
-        seen = records.get(r, {})
-        # The all-to-all combine keeps its LSE to itself: None then.
-        combined = ranks[r].layer.impl.dcp_world_size > 1
-        results.append(
-            RankResult(
-                out=output,
-                decode_lse=seen.get("combined_lse" if combined else "local_lse"),
-                decode_lse_is_combined=combined,
-                context_lse=seen.get("context_lse"),
-                metadata=metadata[r],
-            )
-        )
-    return results
+    return rank_results(outputs, [rank.layer for rank in ranks], records, metadata)

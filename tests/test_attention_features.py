@@ -134,6 +134,9 @@ def test_vllms_dcp_path_still_drops_them() -> None:
     for word in ("s_aux", "mask_mod"):
         assert word not in dcp_path
         assert word in forward
+    # What admission reads is what the single-device path passes on.
+    assert "s_aux=self.sinks" in forward
+    assert "self.sinks = sinks" in inspect.getsource(FlashAttentionImpl.__init__)
 
 
 def test_plan_refuses_what_start_up_refuses(tmp_path: Path, capsys) -> None:

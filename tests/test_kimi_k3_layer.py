@@ -196,6 +196,20 @@ def test_specialized_decode_is_refused_below_d(shard_count: int) -> None:
     assert "specialized decode" in message
 
 
+def test_the_specialized_decode_switch_is_vllms() -> None:
+    """Admission reads the switch Kimi-K3's own runtime reads (a rename in
+    vLLM fails here instead of turning the refusal off)."""
+    import inspect
+
+    from vllm.models.kimi_k3.nvidia.specialized_decode import runtime
+
+    from vllm_dcp_geometry.attention_geometry import SPECIALIZED_DECODE_BACKEND
+
+    source = inspect.getsource(runtime)
+    assert 'extra.get("decode_backend"' in source
+    assert f'"{SPECIALIZED_DECODE_BACKEND}"' in source
+
+
 def test_specialized_decode_keeps_k_equal_d() -> None:
     _, layers = _build(
         2, 2, additional_config={"decode_backend": "latency_specialized"}

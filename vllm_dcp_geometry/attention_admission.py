@@ -127,16 +127,28 @@ def taught_backend_name(builder_path: str) -> str | None:
     return None
 
 
-LOCAL_ONLY_BUILDERS: dict[str, AttentionKind] = {
+_DOTS3_SLIDING_BUILDER = (
+    "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder"
+)
+LOCAL_ONLY_BUILDERS: dict[str, TaughtBackend] = {
     # Dots3 NOTE's sliding-window MLA builder (a TritonMLAMetadataBuilder)
     # raises for prefills whenever its own DCP world is > 1; built in the
     # world (1, 0) of a replicated group it is TRITON_MLA's DCP1 builder.
-    "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder": (
-        AttentionKind.MLA
+    _DOTS3_SLIDING_BUILDER: TaughtBackend(
+        AttentionKind.MLA, _DOTS3_SLIDING_BUILDER, _MLA_PATCH
     ),
 }
 """Builder classes (subclasses of a taught builder) taught K = 1 only, by
 ``module.qualname``; a backend label may name one in parentheses."""
+
+
+def teaching_patch(backend: str) -> str | None:
+    """The patch that teaches ``backend`` (a label) a group's K, if any."""
+    taught = TAUGHT_BACKENDS.get(backend)
+    if taught is not None:
+        return taught.patch
+    local_only = local_only_builder(backend)
+    return None if local_only is None else LOCAL_ONLY_BUILDERS[local_only].patch
 
 
 def local_only_builder(backend: str) -> str | None:
@@ -211,7 +223,11 @@ def _taught(kind: AttentionKind, backend: str, k: int) -> bool:
     if taught is not None:
         return taught.kind is kind
     local_only = local_only_builder(backend)
-    return local_only is not None and LOCAL_ONLY_BUILDERS[local_only] is kind and k == 1
+    return (
+        local_only is not None
+        and LOCAL_ONLY_BUILDERS[local_only].kind is kind
+        and k == 1
+    )
 
 
 def _refusal(head: str, why: str, remedy: str) -> AttentionAdmission:

@@ -33,8 +33,8 @@ from vllm_dcp_geometry.attention_admission import (
     AttentionMode,
     admit_attention,
     impl_world_refusal,
-    local_only_builder,
     taught_backend_name,
+    teaching_patch,
     vllm_shard_count,
 )
 from vllm_dcp_geometry.contract import (
@@ -278,9 +278,11 @@ def model_attention_features(vllm_config: Any) -> frozenset[str]:
     (the R-SWA window, a multimodal prefix LM), as the builder reads them."""
     model_config = vllm_config.model_config
     features = set()
-    if getattr(model_config, "rswa_window", None) is not None:
+    # Read as the builder reads them (no default: a rename fails loudly
+    # instead of turning the check off).
+    if model_config.rswa_window is not None:
         features.add("rswa_mask")
-    if getattr(model_config, "is_mm_prefix_lm", False):
+    if model_config.is_mm_prefix_lm:
         features.add("mm_prefix_mask")
     return frozenset(features)
 
@@ -304,10 +306,10 @@ def group_layer_facts(
         else:
             impl = getattr(layer, "impl", None)
             features = set(model_features)
-            if (
-                backend in DCP_DROPPED_FEATURES
-                and getattr(impl, "sinks", None) is not None
-            ):
+            # FlashAttentionImpl always sets ``sinks``; a layer without an
+            # impl (Inkling) has none to drop.
+            reads_sinks = backend in DCP_DROPPED_FEATURES and impl is not None
+            if reads_sinks and impl.sinks is not None:  # type: ignore[union-attr]
                 features.add("sinks")
             facts = LayerFacts(
                 name,
@@ -367,10 +369,7 @@ def _require_teaching_patch(
     the builder would run vLLM's D-wide path on this cache."""
     if admission.mode not in (AttentionMode.LOCAL, AttentionMode.DCP_PARTIAL):
         return admission
-    taught = TAUGHT_BACKENDS.get(backend)
-    patch = taught.patch if taught is not None else None
-    if patch is None and local_only_builder(backend) is not None:
-        patch = "worker.mla_attention"
+    patch = teaching_patch(backend)
     if patch is None:
         return admission
     from vllm_dcp_geometry import plugin

@@ -349,9 +349,13 @@ def apply_to_kv_cache_specs(
         if geometry is None:
             continue
         if geometry.dcp_sharded and not spec.dcp_sharded:
-            check_sharding_of_replicated_layer(
-                vllm_config, name, geometry.dcp_kv_shard_count or dcp, dcp
+            shard_count = resolve_shard_count(
+                owner=f"layer {name!r}",
+                layout=TokenLayout.SHARDED,
+                dcp_world_size=dcp,
+                dcp_kv_shard_count=geometry.dcp_kv_shard_count,
             )
+            check_sharding_of_replicated_layer(vllm_config, name, shard_count, dcp)
         result[name] = dataclasses.replace(
             spec,
             dcp_sharded=geometry.dcp_sharded,

@@ -85,6 +85,9 @@ REPLACES: tuple[UpstreamSymbol, ...] = (
     ),
 )
 RELIES_ON: tuple[UpstreamSymbol, ...] = (
+    # The single-device path keeps sinks and mask_mods (admission lets K = 1
+    # layers that use them run; tests/test_attention_features pins it).
+    UpstreamSymbol(_M, "FlashAttentionImpl.forward"),
     # Relied on: the builder reads its geometry and head count from these.
     UpstreamSymbol(
         _M,
