@@ -3,7 +3,10 @@
 """Test-only set-up: run vLLM's real GPU-side code on CPU.
 
 These settings must be in place before anything imports vLLM, which is why
-they live here and never in library code.
+they live here and never in library code. Also here: ``--patch NAME``, which
+keeps only the test modules whose ``pytest.mark.patches(...)`` names the patch
+module ``NAME`` (relative to ``vllm_dcp_geometry.patches``, e.g.
+``worker.block_table``; the marker is registered in ``pyproject.toml``).
 """
 
 import os
@@ -17,15 +20,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import pytest
 
-from tests.subprocess_runner import run_python  # noqa: F401
+from tests.support.processes import run_python  # noqa: F401
 
 
 @pytest.fixture
 def v2_on_cpu() -> Iterator[None]:
     """Model Runner V2's block tables on CPU (no UVA, CPU device type)."""
-    from tests import worker_harness
+    from tests.support import worker
 
-    undo = worker_harness.enable_v2_on_cpu()
+    undo = worker.enable_v2_on_cpu()
     try:
         yield
     finally:
@@ -40,10 +43,57 @@ def _disable_pinned_memory() -> None:
     vllm.utils.torch_utils.PIN_MEMORY = False  # type: ignore[attr-defined]
 
 
+PATCH_PACKAGE = "vllm_dcp_geometry.patches."
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--patch",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only the test modules that declare pytest.mark.patches(NAME), "
+        "NAME relative to vllm_dcp_geometry.patches (e.g. worker.block_table); "
+        "repeat it for the tests of any of several patches",
+    )
+
+
+def declared_patches(item: pytest.Item) -> set[str]:
+    """The patch modules ``item``'s ``patches`` markers name (its module's
+    ``pytestmark`` included)."""
+    return {str(name) for mark in item.iter_markers("patches") for name in mark.args}
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    wanted = set(config.getoption("patch"))
+    if not wanted:
+        return
+    keep = [item for item in items if declared_patches(item) & wanted]
+    dropped = [item for item in items if not declared_patches(item) & wanted]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
+
+
+def _check_patch_option(config: pytest.Config) -> None:
+    from vllm_dcp_geometry.patches import PATCH_MODULES
+
+    known = {name.removeprefix(PATCH_PACKAGE) for name in PATCH_MODULES}
+    unknown = sorted(set(config.getoption("patch")) - known)
+    if unknown:
+        raise pytest.UsageError(
+            f"--patch {', '.join(unknown)}: not a patch module; one of "
+            + ", ".join(sorted(known))
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _check_patch_option(config)
     _disable_pinned_memory()
     import vllm_dcp_geometry
 
     # Tests in this process run patched vLLM; unpatched baselines run in a
-    # subprocess (tests.subprocess_runner.run_python(..., patched=False)).
+    # subprocess (tests.support.processes.run_python(..., patched=False)).
     vllm_dcp_geometry.register()

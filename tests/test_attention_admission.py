@@ -83,9 +83,11 @@ def _refusal(admission) -> str:
 @pytest.mark.parametrize(
     ("backend", "k", "words"),
     [
-        ("FLASHMLA_SPARSE", 1, "sparse MLA and its indexer are not taught"),
-        ("FLASHINFER_MLA_SPARSE", 2, "sparse MLA and its indexer are not taught"),
-        ("DEEPSEEK_V32_INDEXER", 1, "sparse MLA and its indexer are not taught"),
+        # Taught only for DeepSeek-V3.2's own layer classes.
+        ("FLASHMLA_SPARSE", 1, "taught per-group DCP shard counts only for"),
+        ("FLASHINFER_MLA_SPARSE", 2, "taught per-group DCP shard counts only for"),
+        ("DEEPSEEK_V32_INDEXER", 1, "taught per-group DCP shard counts only for"),
+        ("FLASH_ATTN_MLA_SPARSE", 1, "FLASH_ATTN_MLA_SPARSE is not taught"),
         ("ROCM_AITER_MLA", 1, "ROCM_AITER_MLA is not taught"),
         ("CPU_MLA", 2, "CPU_MLA is not taught"),
     ],
@@ -173,7 +175,17 @@ def test_backend_names_and_builders() -> None:
             builder = backend.get_builder_cls()
             assert taught.builder == f"{builder.__module__}.{builder.__qualname__}"
             assert (taught.kind is MLA) == backend.is_mla()
-    assert set(TAUGHT_BACKENDS) <= {m.name for m in AttentionBackendEnum}
+    # The DSA indexer's backend is the layer's own, not a selector member.
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
+
+    indexer = DeepseekV32IndexerBackend
+    builder = indexer.get_builder_cls()
+    assert TAUGHT_BACKENDS[indexer.get_name()].builder == (
+        f"{builder.__module__}.{builder.__qualname__}"
+    )
+    assert set(TAUGHT_BACKENDS) - {m.name for m in AttentionBackendEnum} == {
+        indexer.get_name()
+    }
 
 
 def test_a_group_layer_without_an_impl_is_refused_for_every_k_below_d() -> None:
@@ -204,8 +216,8 @@ def test_a_group_layer_without_an_impl_is_refused_for_every_k_below_d() -> None:
 def test_a_replicated_impl_under_pcp_is_not_left_on_the_dcp_path() -> None:
     from types import SimpleNamespace
 
-    from vllm_dcp_geometry.attention_geometry import make_impl_local
     from vllm_dcp_geometry.contract import DcpGeometryError
+    from vllm_dcp_geometry.impl_binding import make_impl_local
 
     impl = SimpleNamespace(dcp_world_size=4, dcp_rank=3, pcp_world_size=1)
     make_impl_local(impl)

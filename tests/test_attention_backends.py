@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.attention_support import (
+from tests.support.attention import (
     cpu_platform,  # noqa: F401
     decode_batch,
     full_attention_spec,
@@ -19,9 +19,13 @@ from tests.attention_support import (
     set_dcp_group,
     tiny_model_config,
 )
-from tests.subprocess_runner import run_python
-from vllm_dcp_geometry.attention_geometry import BOUND_GEOMETRY_ATTR
+from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
+
+pytestmark = pytest.mark.patches(
+    "worker.utils", "worker.flash_attn", "worker.flashinfer", "worker.mla_attention"
+)
 
 LAYER = "model.layers.3.self_attn.attn"
 
@@ -131,7 +135,7 @@ current_platform.device_type = "cpu"
 from vllm.distributed import parallel_state
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend, FlashAttentionMetadataBuilder)
-from tests.attention_support import (
+from tests.support.attention import (
     decode_batch, full_attention_spec, make_attention_layer, tiny_model_config)
 
 def probe(dcp, rank, interleave, seq_lens):
@@ -203,8 +207,8 @@ print(json.dumps([probe(d, r, i, {SEQ_LENS!r})
             ],
         }
         assert got == expected, (dcp, rank, interleave)
-        # Nothing to bind at D = 1; at K = D the impl keeps upstream's combine.
-        assert (getattr(builder, BOUND_GEOMETRY_ATTR, None) is None) == (dcp == 1)
+        # Nothing to bind at D = 1 or at vLLM's own K = D.
+        assert getattr(builder, BOUND_GEOMETRY_ATTR, None) is None
         assert not hasattr(layer.impl, BOUND_GEOMETRY_ATTR)
 
 
@@ -217,8 +221,8 @@ def test_flashinfer_prefill_wrapper_is_replica_masked_or_refused() -> None:
 
     import vllm.v1.attention.backends.flashinfer as flashinfer
 
-    from vllm_dcp_geometry.attention_geometry import ReplicaMaskedCombine
     from vllm_dcp_geometry.contract import GroupGeometry
+    from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
 
     builder = object.__new__(flashinfer.FlashInferMetadataBuilder)
     geometry = GroupGeometry("g", 2, 4, 3, default_shard_count=4)

@@ -20,12 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.attention_support import triton_interpreter_constexprs  # noqa: F401
-from vllm_dcp_geometry.attention_geometry import (
-    group_local_seq_lens,
-    mask_combine,
-)
+from tests.support.attention import triton_interpreter_constexprs  # noqa: F401
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
+from vllm_dcp_geometry.impl_binding import mask_combine
+from vllm_dcp_geometry.metadata_builders import group_local_seq_lens
 
 BLOCK_SIZE = 8
 HEAD_DIM = 16

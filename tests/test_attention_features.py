@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.attention_support import (
+from tests.support.attention import (
     HEAD_SIZE,
     cpu_platform,  # noqa: F401
     full_attention_spec,
@@ -27,6 +27,8 @@ from tests.attention_support import (
     tiny_model_config,
 )
 from vllm_dcp_geometry.contract import DcpGeometryError
+
+pytestmark = pytest.mark.patches("worker.utils", "worker.flash_attn")
 
 LAYER = "model.layers.0.self_attn.attn"
 

@@ -15,21 +15,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention_support import (
+from tests.support.attention import (
     cpu_platform,  # noqa: F401
     decode_batch,
-    divisors,
     full_attention_spec,
     make_attention_layer,
     set_dcp_group,
     tiny_model_config,
 )
-from vllm_dcp_geometry.attention_geometry import (
-    BOUND_GEOMETRY_ATTR,
-    ReplicaMaskedCombine,
-)
+from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import GroupGeometry, local_seq_len
 from vllm_dcp_geometry.group_context import use_group_geometry
+from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
+
+pytestmark = pytest.mark.patches("worker.flash_attn", "worker.flashinfer")
 
 BLOCK_SIZE = 32
 DCP_SIZES = (1, 2, 4, 8, 16)
@@ -121,7 +121,7 @@ def test_flashinfer_local_lengths_follow_the_group(dcp: int) -> None:
     its trtllm decode reads ``dcp_local_seq_lens``: both must be the group's."""
     import vllm.v1.attention.backends.flashinfer as flashinfer
 
-    from vllm_dcp_geometry.attention_geometry import (
+    from vllm_dcp_geometry.metadata_builders import (
         LOCAL_SEQ_LENS_BUFFER_ATTR,
         with_group_local_seq_lens,
     )

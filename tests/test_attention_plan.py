@@ -14,11 +14,18 @@ import json
 import pytest
 import torch
 
-from tests.mla_harness import SimulatedGroup, cpu_shims, model_dir
-from tests.mla_ranks import mla_model_config, process_groups
+from tests.support.mla import (
+    SimulatedGroup,
+    cpu_shims,
+    mla_model_config,
+    model_dir,
+    process_groups,
+)
 from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.topology import load_profile
+
+pytestmark = pytest.mark.patches("worker.utils")
 
 
 def _plan(capsys, *args: str, status: int = EXIT_OK) -> tuple[dict, str]:

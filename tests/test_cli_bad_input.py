@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.simulate_topologies import attention_group
+from tests.support.simulate import attention_group
 from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.topology.limits import (
     INT32_MAX,

@@ -11,7 +11,7 @@ helpers in ``cli/common``, no import circle, library code outside.
   one of its ancestor packages (a child reaching into its parent);
 - one ``Violations`` type;
 - the command's ``SimulationOptions`` carry no test hook (the tests'
-  subclass, ``tests/simulate_hooks.py``, adds them through
+  subclass, ``tests/support/simulate.py``, adds them through
   ``SimulationHooks``);
 - the package outside ``cli/`` (the library) imports no ``cli`` module, except
   ``__main__``.
@@ -25,28 +25,18 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.sources import module_name, write_module
+
 REPO = Path(__file__).resolve().parent.parent
-HEADER = (
-    "# SPDX-License-Identifier: Apache-2.0\n"
-    "# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry "
-    "project\n"
-)
 CLI = "vllm_dcp_geometry.cli"
 PARSER_NAMES = {"main", "build_parser", "_Parser", "_add_common_flags"}
 """What ``cli/__init__.py`` may define: ``main`` and the parser."""
 COMMAND_NAMES = {"HELP", "add_arguments", "command"}
 
 
-def _module_name(root: Path, path: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _modules(root: Path, package: str = "vllm_dcp_geometry") -> dict[str, Path]:
     base = root.joinpath(*package.split("."))
-    return {_module_name(root, p): p for p in sorted(base.rglob("*.py"))}
+    return {module_name(root, p): p for p in sorted(base.rglob("*.py"))}
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
@@ -177,34 +167,28 @@ def test_the_commands_simulation_options_carry_no_test_hook() -> None:
     assert type(SimulationOptions().hooks()) is SimulationHooks
 
 
-def _write(root: Path, relative: str, source: str) -> None:
-    path = root / relative
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(HEADER + source, encoding="utf-8")
-
-
 def _good_tree(root: Path) -> None:
-    _write(root, "vllm_dcp_geometry/__init__.py", "")
-    _write(
+    write_module(root, "vllm_dcp_geometry/__init__.py", "")
+    write_module(
         root,
         "vllm_dcp_geometry/__main__.py",
         "from vllm_dcp_geometry.cli import main\n",
     )
-    _write(root, "vllm_dcp_geometry/vllm_objects.py", "")
-    _write(
+    write_module(root, "vllm_dcp_geometry/vllm_objects.py", "")
+    write_module(
         root,
         "vllm_dcp_geometry/cli/__init__.py",
         "from vllm_dcp_geometry.cli import plan\n"
         "def build_parser():\n    pass\n"
         "def main():\n    pass\n",
     )
-    _write(root, "vllm_dcp_geometry/cli/common/__init__.py", "")
-    _write(
+    write_module(root, "vllm_dcp_geometry/cli/common/__init__.py", "")
+    write_module(
         root,
         "vllm_dcp_geometry/cli/common/violations.py",
         "class Violations:\n    pass\n",
     )
-    _write(
+    write_module(
         root,
         "vllm_dcp_geometry/cli/plan/__init__.py",
         "from vllm_dcp_geometry.cli.plan.output import fmt\n"
@@ -212,7 +196,7 @@ def _good_tree(root: Path) -> None:
         "def add_arguments(parser):\n    pass\n"
         "def command(args):\n    return fmt()\n",
     )
-    _write(
+    write_module(
         root,
         "vllm_dcp_geometry/cli/plan/output.py",
         "from vllm_dcp_geometry.cli.common import violations\ndef fmt():\n    pass\n",
@@ -228,7 +212,7 @@ def test_the_rules_fail_on_a_broken_tree(tmp_path: Path) -> None:
 
     # A circle through a function-level import, and a child reaching into
     # its parent package.
-    _write(
+    write_module(
         tmp_path,
         "vllm_dcp_geometry/cli/plan/output.py",
         "def fmt():\n"
@@ -246,19 +230,19 @@ def test_the_rules_fail_on_a_broken_tree(tmp_path: Path) -> None:
     # A command in cli/__init__.py, a flat command module, a package without
     # its command, a second Violations, and library code importing the CLI.
     _good_tree(tmp_path)
-    _write(
+    write_module(
         tmp_path,
         "vllm_dcp_geometry/cli/__init__.py",
         "def main():\n    pass\ndef cmd_replay(args):\n    pass\n",
     )
-    _write(tmp_path, "vllm_dcp_geometry/cli/replay.py", "")
-    _write(tmp_path, "vllm_dcp_geometry/cli/simulate/__init__.py", "HELP = 's'\n")
-    _write(
+    write_module(tmp_path, "vllm_dcp_geometry/cli/replay.py", "")
+    write_module(tmp_path, "vllm_dcp_geometry/cli/simulate/__init__.py", "HELP = 's'\n")
+    write_module(
         tmp_path,
         "vllm_dcp_geometry/cli/simulate/views.py",
         "class Violations:\n    pass\n",
     )
-    _write(
+    write_module(
         tmp_path,
         "vllm_dcp_geometry/vllm_objects.py",
         "from vllm_dcp_geometry.cli.common import violations\n",

@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 
-from tests.subprocess_runner import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 from vllm_dcp_geometry.cli.common.noise import (
     THIRD_PARTY_NOTE,
     third_party_noise_hidden,

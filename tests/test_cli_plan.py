@@ -10,15 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from vllm.v1.worker.block_table import get_block_table_width
 
-from tests.subprocess_runner import run_python
+from tests.support.processes import run_python
 from vllm_dcp_geometry.cli import EXIT_OK, main
 from vllm_dcp_geometry.contract import (
     attention_block_table_width,
     recurrent_align_block_table_width,
 )
 from vllm_dcp_geometry.topology import load_profile
+
+pytestmark = pytest.mark.patches("common.kv_cache_interface")
 
 
 def _plan(capsys, *args: str) -> dict:

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.support.sweeps import divisors
 from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
 
 PREFIX = "vllm-dcp-geometry: error: "
@@ -82,10 +83,12 @@ def groups(draw: Any, dcp: int, index: int, mamba_block: int) -> dict[str, Any]:
         group["dcp_sharded"] = draw(st.booleans())
     # Only plain full attention takes a partial K (MLA's admission is
     # decided elsewhere; this test assumes nothing about it).
-    if kind == "full_attention" and group.get("dcp_sharded", True):
-        divisors = [k for k in range(1, dcp + 1) if dcp % k == 0]
-        if draw(st.booleans()):
-            group["dcp_kv_shard_count"] = draw(st.sampled_from(divisors))
+    if (
+        kind == "full_attention"
+        and group.get("dcp_sharded", True)
+        and draw(st.booleans())
+    ):
+        group["dcp_kv_shard_count"] = draw(st.sampled_from(divisors(dcp)))
     return group
 
 

@@ -24,6 +24,13 @@ from vllm_dcp_geometry.contract import (
 )
 from vllm_dcp_geometry.topology import load_profile
 
+pytestmark = pytest.mark.patches(
+    "common.kv_cache_interface",
+    "engine_core.kv_cache_utils",
+    "engine_core.single_type_kv_cache_manager",
+    "engine_core.kv_cache_coordinator",
+)
+
 
 def _replay(capsys, *args: str) -> tuple[int, dict]:
     code = main(["replay", "--json", "--no-progress", *args])

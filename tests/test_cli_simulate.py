@@ -3,7 +3,7 @@
 """``vllm-dcp-geometry simulate``: vLLM's real scheduler feeding all D ranks.
 
 Small hybrid topologies (a sharded, a partially sharded, a recurrent and a
-replicated group; ``tests.simulate_topologies``) on both model runners and
+replicated group; ``tests.support.simulate``) on both model runners and
 both workloads. In this process vLLM's Triton kernels run under the
 interpreter, so every simulation also cross-checks its vectorized slot
 mappings against them on sampled steps, and Model Runner V2 runs its real
@@ -20,11 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.simulate_hooks import SimulationOptions
-from tests.simulate_topologies import group_index, hybrid, hybrid_mapping
+from tests.support.simulate import (
+    SimulationOptions,
+    group_index,
+    hybrid,
+    hybrid_mapping,
+)
 from vllm_dcp_geometry.cli import main
 from vllm_dcp_geometry.cli.simulate.checks import KINDS
 from vllm_dcp_geometry.cli.simulate.run import run_simulation
+
+pytestmark = pytest.mark.patches(
+    "worker.block_table",
+    "worker.gpu_block_table",
+    "engine_core.kv_cache_utils",
+    "engine_core.single_type_kv_cache_manager",
+    "engine_core.kv_cache_coordinator",
+)
 
 JSON_KEYS = (
     "runner",

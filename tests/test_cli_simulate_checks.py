@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.simulate_hooks import SimulationOptions
-from tests.simulate_topologies import group_index, hybrid
+from tests.support.simulate import SimulationOptions, group_index, hybrid
 from vllm_dcp_geometry.cli.simulate.checks import Checker
 from vllm_dcp_geometry.cli.simulate.run import run_simulation
 from vllm_dcp_geometry.cli.simulate.workers import V1Workers

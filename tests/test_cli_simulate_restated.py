@@ -29,11 +29,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests import worker_harness
-from tests.simulate_hooks import SimulationOptions
-from tests.simulate_topologies import hybrid
+from tests.support import worker
+from tests.support.simulate import SimulationOptions, hybrid
 from vllm_dcp_geometry.cli.simulate.checks import KINDS
 from vllm_dcp_geometry.cli.simulate.run import run_simulation
+
+pytestmark = pytest.mark.patches(
+    "worker.block_table", "worker.gpu_model_runner", "worker.gpu_block_table"
+)
 
 MIXED = {"requests": 12, "step_tokens": 1024}
 
@@ -59,7 +62,7 @@ def _runner_shell(
     from vllm.v1.pool.late_interaction_runner import LateInteractionRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    state = worker_harness.v1_runner_input_batch(
+    state = worker.v1_runner_input_batch(
         kv_cache_config,
         engine_vllm_config,
         max_model_len=max_len,

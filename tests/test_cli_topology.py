@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.simulate_topologies import attention_group
+from tests.support.simulate import attention_group
 from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.contract import TokenLayout
 from vllm_dcp_geometry.topology import (

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from tests import worker_harness as h
+from tests.support import worker as h
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.group_context import use_group_geometry
+
+pytestmark = pytest.mark.patches("worker.dflash_speculator", "worker.mla_attention")
 
 
 def full(block_size: int, **kw: Any) -> Any:

@@ -26,8 +26,22 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
 
-from tests.vllm_configs import make_vllm_config
+from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry._patching import ORIGINAL_ATTR, original_of
+
+pytestmark = pytest.mark.patches(
+    "common.kv_cache_interface",
+    "worker.gpu_model_runner",
+    "worker.gpu_block_table",
+    "worker.gpu_model_runner_v2",
+    "engine_core.kv_cache_utils",
+    "engine_core.kv_cache_planning",
+    "engine_core.kv_connector_base",
+    "worker.utils",
+    "worker.flash_attn",
+    "worker.flashinfer",
+    "worker.mla_attention",
+)
 
 ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
 
@@ -293,10 +307,10 @@ def test_v2_initialize_kv_cache_hands_back(layout: str, dcp: int) -> None:
 
 def v2_runner_to_tables(config: SimpleNamespace) -> Any:
     """A V2 runner double that lasts through ``BlockTables``
-    (``tests.worker_harness``): upstream stops when it reads ``pcp_manager``."""
-    from tests import worker_harness
+    (``tests.support.worker``): upstream stops when it reads ``pcp_manager``."""
+    from tests.support import worker
 
-    return worker_harness.v2_runner_state(
+    return worker.v2_runner_state(
         config,
         dcp_rank=config.parallel_config.decode_context_parallel_size - 1,
         max_model_len=4096,
@@ -341,11 +355,9 @@ def v2_tables_only(v2_on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model Runner V2 builds no attention groups (no layers registered)."""
     import vllm.v1.worker.gpu.model_runner as model_runner
 
-    from tests import worker_harness
+    from tests.support import worker
 
-    monkeypatch.setattr(
-        model_runner, "init_attn_backend", worker_harness.no_attention_backends
-    )
+    monkeypatch.setattr(model_runner, "init_attn_backend", worker.no_attention_backends)
 
 
 def _v2_trace_args(specs: tuple[Any, ...], dcp: int) -> Args:
@@ -382,7 +394,7 @@ def test_v2_patched_path_runs_where_upstream_is_wrong(
     size and the interleave when upstream builds the tables."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    from tests import worker_harness
+    from tests.support import worker
 
     specs = WRONG_UPSTREAM_LAYOUTS[layout]
     parallel = "self.vllm_config.parallel_config"
@@ -397,7 +409,7 @@ def test_v2_patched_path_runs_where_upstream_is_wrong(
         ("get", f"{parallel}.cp_kv_cache_interleave_size"),
     ]
     runner = v2_runner_to_tables(carrier(4))
-    worker_harness.run_v2_initialize_kv_cache(
+    worker.run_v2_initialize_kv_cache(
         GPUModelRunner.initialize_kv_cache, runner, kv_config(*specs)
     )
     assert runner.block_tables.dcp_shard_counts == tuple(

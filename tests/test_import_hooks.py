@@ -22,9 +22,11 @@ from typing import Any
 
 import pytest
 
-from tests.subprocess_runner import run_python
+from tests.support.processes import run_python
 from vllm_dcp_geometry import _import_hooks, _patching
 from vllm_dcp_geometry._patching import UpstreamChangedError
+
+pytestmark = pytest.mark.patches("common.kv_cache_interface")
 
 WAIT_S = 10
 

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """Kimi-K3's own MLA layer (``MultiHeadLatentAttention``: target, KimiK3MTP,
 DSpark draft) with K shards over D simulated ranks equals float64
-single-device attention on every rank (``tests.kimi_k3_ranks``): decode
+single-device attention on every rank (``tests.support.kimi_k3``): decode
 through its DCP gate and ``impl.forward_mqa``, prefill through
 ``_forward_prefill_fused`` with the DCP1 or the context-parallel context
 path, the real TRITON_MLA builder and impl, the real ``MLADCPManager``.
@@ -17,22 +17,26 @@ from typing import Any
 import pytest
 import torch
 
-from tests.kimi_k3_ranks import (
+from tests.support.kimi_k3 import (
     FUSED_OPS,
     fused_op_stand_ins,
     make_kimi_ranks,
     run_kimi_case,
 )
-from tests.mla_harness import (
+from tests.support.mla import (
     CPU,
     CooperativeRanks,
     concat_and_cache_mla,
     cpu_shims,
     make_batch,
+    mla_spec,
 )
-from tests.mla_ranks import mla_spec
-from tests.subprocess_runner import run_python
+from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import DcpGeometryError, local_seq_len
+
+pytestmark = pytest.mark.patches(
+    "worker.kimi_k3_mla", "worker.mla_attention", "worker.utils"
+)
 
 TOLERANCE = 1e-5
 B = CPU.block_size
@@ -203,7 +207,7 @@ def test_the_specialized_decode_switch_is_vllms() -> None:
 
     from vllm.models.kimi_k3.nvidia.specialized_decode import runtime
 
-    from vllm_dcp_geometry.attention_geometry import SPECIALIZED_DECODE_BACKEND
+    from vllm_dcp_geometry.worker_admission import SPECIALIZED_DECODE_BACKEND
 
     source = inspect.getsource(runtime)
     assert 'extra.get("decode_backend"' in source
@@ -219,7 +223,7 @@ def test_specialized_decode_keeps_k_equal_d() -> None:
 
 BASELINE = """
 import json
-from tests.kimi_k3_ranks import run_kimi_case
+from tests.support.kimi_k3 import run_kimi_case
 print(json.dumps({
     "replicated": run_kimi_case(4, 1, 1, patched=False),
     "partial": run_kimi_case(4, 2, 1, patched=False),

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.attention_support import (
+from tests.support.attention import (
     cpu_platform,  # noqa: F401
     decode_batch,
     full_attention_spec,
@@ -28,14 +28,18 @@ from tests.attention_support import (
     tiny_model_config,
 )
 from vllm_dcp_geometry.attention_admission import AttentionMode, admit_attention
-from vllm_dcp_geometry.attention_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.layer_classes import (
     AUDITED_CLASSES,
     FLINT_ATTENTION,
     LAYER_CLASS_ATTR,
     TAUGHT_LAYERS,
     Disposition,
+)
+
+pytestmark = pytest.mark.patches(
+    "worker.utils", "worker.flash_attn", "worker.flint_model"
 )
 
 LAYER = "model.layers.1.self_attn.attn"
@@ -151,7 +155,7 @@ def _admit(layer_class: str | None, k: int, *, mla: bool, backend: str, **kw: An
 def test_an_untaught_model_class_runs_only_vllms_k() -> None:
     """Not admitted on the strength of its backend: a model-owned MLA class
     (vLLM reads MLA with K = D) is refused for every K < D, naming it."""
-    path = "vllm.models.deepseek_v32.attention.DeepseekV32Attention"
+    path = "vllm.models.beam.nvidia.attention.BeamAttention"
     for k in (1, 2):
         admission = _admit(path, k, mla=True, backend="FLASHINFER_MLA")
         assert admission.refused
@@ -214,7 +218,7 @@ def test_flint_patch_names_its_wrapper_under_dcp(
 
 
 def test_dots3_sliding_window_builder_runs_k1_only() -> None:
-    from vllm_dcp_geometry.attention_geometry import backend_label
+    from vllm_dcp_geometry.worker_admission import backend_label
 
     path = "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder"
     module, _, name = path.rpartition(".")

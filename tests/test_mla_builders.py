@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.attention_support import divisors
-from tests.mla_harness import (
+from tests.support.mla import (
     CPU,
     CooperativeRanks,
+    common_metadata,
     cpu_shims,
     make_batch,
+    make_ranks,
+    mla_spec,
 )
-from tests.mla_ranks import common_metadata, make_ranks, mla_spec
-from vllm_dcp_geometry.attention_geometry import (
-    BOUND_GEOMETRY_ATTR,
-    ReplicaMaskedCombine,
-)
+from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import cdiv, local_seq_len
+from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
 from vllm_dcp_geometry.mla_geometry import ShardWorldForwardMqa
+
+pytestmark = pytest.mark.patches("worker.mla_attention", "worker.utils")
 
 GRID = [
     (dcp, k, interleave)

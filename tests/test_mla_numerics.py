@@ -3,7 +3,7 @@
 """MLA attention of a group with K shards over D simulated ranks equals
 float64 single-device attention, on every rank.
 
-Each case runs vLLM's real MLA path per rank (``tests.mla_harness``): the
+Each case runs vLLM's real MLA path per rank (``tests.support.mla``): the
 builder's ``build()``, ``MLAAttention.forward_impl`` with the TRITON_MLA
 decode kernel (interpreted), the ``cpu_sdpa`` prefill backend, the chunked
 prefill-context path with its KV all-gather, ``correct_attn_out``
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mla_cases import run_case
-from tests.mla_harness import CPU
-from tests.subprocess_runner import run_python
+from tests.support.mla import CPU, run_case
+from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import local_seq_len
+
+pytestmark = pytest.mark.patches("worker.mla_attention", "worker.utils")
 
 TOLERANCE = 1e-5
 B = CPU.block_size
@@ -75,7 +76,7 @@ def test_all_to_all_combine_reads_the_partial_group() -> None:
 
 BASELINE = """
 import json
-from tests.mla_cases import run_case
+from tests.support.mla import run_case
 print(json.dumps({
     "replicated": run_case(4, 1, 1, patched=False),
     "partial": run_case(4, 2, 1, patched=False),

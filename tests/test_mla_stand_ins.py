@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""The test-only stand-ins of ``tests.mla_harness`` do what vLLM's ``vllm._C``
+"""The test-only stand-ins of ``tests.support.mla`` do what vLLM's ``vllm._C``
 ops and collectives do, checked against the contract.
 
 - The KV write at the contract's slots puts every position of a request on
@@ -20,8 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention_support import divisors
-from tests.mla_harness import (
+from tests.support.mla import (
     CooperativeRanks,
     SimulatedGroup,
     all_gather_into_tensor,
@@ -30,6 +29,7 @@ from tests.mla_harness import (
     cp_gather_cache,
     gather_and_maybe_dequant_cache,
 )
+from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import (
     PAD_SLOT_ID,
     local_seq_len,

@@ -18,8 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests import scheduler_topology as topo
+from tests.support import scheduler as topo
 from vllm_dcp_geometry.contract import DcpGeometryError
+
+pytestmark = pytest.mark.patches(
+    "common.kv_cache_interface",
+    "worker.gpu_model_runner",
+    "worker.gpu_model_runner_v2",
+    "engine_core.kv_cache_planning",
+)
 
 LAYER_NAMES = {
     "model.layers.0.self_attn.attn": "full",

@@ -9,6 +9,7 @@ Each check is shown to catch a deliberately wrong declaration."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import types
@@ -18,6 +19,10 @@ import pytest
 
 from vllm_dcp_geometry import _patching
 from vllm_dcp_geometry.patches import PATCH_MODULES
+
+pytestmark = pytest.mark.patches(
+    "worker.gpu_model_runner", "worker.gpu_model_runner_v2"
+)
 
 PREFIX = "vllm_dcp_geometry.patches."
 
@@ -107,16 +112,25 @@ def _wrappers_in(module: types.ModuleType) -> set[str]:
 def test_every_wrapper_in_a_patched_module_is_in_a_ledger() -> None:
     """The walk: a wrapper found in an upstream module was put there by a
     patch's ledger entry (its own wrap, or another patch's rebind of a
-    ``from x import f`` copy)."""
+    ``from x import f`` copy), or is such a copy taken after the patch
+    applied (the same object as a wrapper a ledger accounts for)."""
     accounted: dict[str, set[str]] = {}
     for name in PATCH_MODULES:
         for change in _patching.changes_made_by(name):
             accounted.setdefault(change.owner, set()).add(change.name)
+    accounted_objects = {
+        id(vars(module)[attr])
+        for patch in _patches()
+        for module in [importlib.import_module(patch.UPSTREAM_MODULE)]
+        for attr in accounted.get(module.__name__, set())
+        if attr in vars(module)
+    }
     for patch in _patches():
         module = importlib.import_module(patch.UPSTREAM_MODULE)
         for qualname in sorted(_wrappers_in(module)):
             owner, _, attr = f"{module.__name__}.{qualname}".rpartition(".")
-            assert attr in accounted.get(owner, set()), qualname
+            copy = "." not in qualname and id(vars(module)[attr]) in accounted_objects
+            assert attr in accounted.get(owner, set()) or copy, qualname
 
 
 def test_the_check_catches_a_wrong_declaration() -> None:
@@ -164,7 +178,7 @@ def test_admission_refuses_a_taught_backend_whose_patch_is_missing(
     runtime's, which ``AttentionGroup`` calls first) refuses a replicated
     FLASH_ATTN group, naming the missing patch, instead of letting vLLM's
     D-wide builder read it."""
-    from vllm_dcp_geometry import attention_geometry, plugin
+    from vllm_dcp_geometry import plugin, worker_admission
     from vllm_dcp_geometry.attention_admission import AttentionKind, AttentionMode
     from vllm_dcp_geometry.contract import GroupGeometry
 
@@ -177,7 +191,7 @@ def test_admission_refuses_a_taught_backend_whose_patch_is_missing(
     geometry = GroupGeometry("g", 1, 4, 2, default_shard_count=1)
 
     def admit() -> Any:
-        return attention_geometry.admit_group(
+        return worker_admission.admit_group(
             geometry,
             kind=AttentionKind.ATTENTION,
             backend="FLASH_ATTN",
@@ -227,10 +241,27 @@ def channel_problems(channels: Any) -> list[str]:
             ("writer", channel.writers, channel.setter),
             ("reader", channel.readers, channel.getter),
         ):
+            # Shared functions that use ``fn`` on a patch's behalf.
+            via = set()
+            for path in channel.via:
+                module_name, _, function = path.rpartition(".")
+                shared = importlib.import_module(f"vllm_dcp_geometry.{module_name}")
+                if fn in inspect.getsource(getattr(shared, function)):
+                    via.add(function)
             for name in patches:
                 patch = importlib.import_module(PREFIX + name)
-                if fn not in _names_used(patch):
+                used = _names_used(patch)
+                if fn not in used and not via & used:
                     problems.append(f"{channel.setter}: {role} {name} never uses {fn}")
+        for path in channel.via:
+            module_name, _, function = path.rpartition(".")
+            shared = importlib.import_module(f"vllm_dcp_geometry.{module_name}")
+            source = inspect.getsource(getattr(shared, function))
+            if channel.setter not in source and channel.getter not in source:
+                problems.append(
+                    f"{channel.setter}: {path} uses neither {channel.setter} nor "
+                    f"{channel.getter}"
+                )
         for writer in channel.writers:
             for reader in set(channel.readers) - set(channel.writers):
                 partners = importlib.import_module(PREFIX + writer).REMOVE_WITH
@@ -244,7 +275,7 @@ def channel_problems(channels: Any) -> list[str]:
 def test_every_side_channel_has_both_ends() -> None:
     from vllm_dcp_geometry.group_context import CHANNELS
 
-    assert len(CHANNELS) == 3
+    assert len(CHANNELS) == 4
     assert channel_problems(CHANNELS) == []
 
 
@@ -273,8 +304,8 @@ def test_a_runner_without_its_block_table_partner_refuses_naming_it() -> None:
     import torch
     from vllm.v1 import kv_cache_interface as k
 
-    from tests import worker_harness as h
-    from tests.vllm_configs import make_vllm_config
+    from tests.support import worker as h
+    from tests.support.vllm_configs import make_vllm_config
     from vllm_dcp_geometry.contract import DcpGeometryError
     from vllm_dcp_geometry.patches.worker import gpu_model_runner as v1
     from vllm_dcp_geometry.patches.worker import gpu_model_runner_v2 as v2
@@ -337,11 +368,28 @@ def test_the_rest_applies_without_each_removal_group() -> None:
     the Kimi-K3 binder)."""
     import json
 
-    from tests.subprocess_runner import CPU_PRELUDE, REPO_ROOT, run_fresh_python
+    from tests.support.processes import CPU_PRELUDE, REPO_ROOT, run_fresh_python
 
     groups = removal_groups()
     assert (PREFIX + "worker.block_table", PREFIX + "worker.gpu_model_runner") in groups
-    assert len(groups) == len(PATCH_MODULES) - 3
+    mla = tuple(
+        sorted(
+            PREFIX + p
+            for p in (
+                "worker.flashmla_sparse",
+                "worker.kimi_k3_mla",
+                "worker.mla_attention",
+                "worker.sparse_mla_attention",
+            )
+        )
+    )
+    indexer = (
+        PREFIX + "worker.deepseek_v32_attention",
+        PREFIX + "worker.sparse_attn_indexer",
+    )
+    assert mla in groups and indexer in groups
+    # The two runner pairs, the MLA four and the indexer pair; the rest alone.
+    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 3 - 1
     for group in groups:
         result = run_fresh_python(
             ["-c", CPU_PRELUDE + WITHOUT_A_GROUP, json.dumps(group)],
@@ -351,3 +399,28 @@ def test_the_rest_applies_without_each_removal_group() -> None:
             timeout=300,
         )
         assert result == sorted(set(PATCH_MODULES) - set(group)), group
+
+
+def test_the_channel_check_catches_a_shared_writer_that_does_not_write() -> None:
+    from vllm_dcp_geometry.group_context import CHANNELS, SideChannel
+
+    builders = CHANNELS[0]
+    wrong_via = SideChannel(
+        builders.setter,
+        builders.getter,
+        ("worker.flash_attn",),
+        ("worker.flash_attn",),
+        "",
+        "",
+        via=("metadata_builders.bound_partial_geometry",),
+    )
+    assert channel_problems((wrong_via,)) == [
+        "use_group_geometry: writer worker.flash_attn never uses use_group_geometry",
+        "use_group_geometry: metadata_builders.bound_partial_geometry uses neither "
+        "use_group_geometry nor current_group_geometry",
+    ]
+    no_via = dataclasses.replace(builders, via=())
+    assert (
+        "use_group_geometry: writer worker.flash_attn never uses use_group_geometry"
+        in channel_problems((no_via,))
+    )

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.subprocess_runner import REPO_ROOT, run_python
+from tests.support.processes import REPO_ROOT, run_python
 from vllm_dcp_geometry import _patching, plugin
 from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol
 from vllm_dcp_geometry._version import pinned_vllm_version
 from vllm_dcp_geometry.patches import PATCH_MODULES, patch_table_markdown
+
+pytestmark = pytest.mark.patches("common.kv_cache_interface")
 
 RUNS_IN_FOLDERS = {
     "all": "common",
@@ -61,7 +63,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.v1 import kv_cache_interface as k
 from vllm_dcp_geometry.contract import cdiv
-from tests.spec_catalogue import make_vllm_config
+from tests.support.vllm_configs import make_vllm_config
 out = {}
 mamba = k.MambaSpec(block_size=768, shapes=((4, 64),), dtypes=(torch.float32,),
                     mamba_cache_mode="align", num_speculative_blocks=7)

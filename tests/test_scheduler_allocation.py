@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """vLLM's real KVCacheManager allocates, hashes and sizes every group by its K.
 
-Topology (tests.scheduler_topology): sharded full attention (K = D), partial
+Topology (``tests.support.scheduler``): sharded full attention (K = D), partial
 full attention (K = 4), replicated draft attention (K = 1), Mamba align
 (B = 768, 7 speculative blocks), at D in {1, 4, 16}. Unpatched baselines run
 in one subprocess with the partial group left sharded (unpatched vLLM has no
@@ -16,10 +16,17 @@ from typing import Any
 
 import pytest
 
-from tests import scheduler_topology as topo
-from tests.subprocess_runner import run_python
+from tests.support import scheduler as topo
+from tests.support.processes import run_python
 from vllm_dcp_geometry import contract
 from vllm_dcp_geometry.contract import cdiv
+
+pytestmark = pytest.mark.patches(
+    "common.kv_cache_interface",
+    "engine_core.kv_cache_utils",
+    "engine_core.single_type_kv_cache_manager",
+    "engine_core.kv_cache_coordinator",
+)
 
 DCP_SIZES = (1, 4, 16)
 ATTENTION_GROUPS = ("sharded", "partial", "draft")
@@ -49,7 +56,7 @@ def unpatched() -> dict[str, Any]:
     return run_python(
         """
         import json
-        from tests import scheduler_topology as topo
+        from tests.support import scheduler as topo
         out = {
             "alloc": {
                 str(d): topo.allocation_scenario(d, partial=False)

@@ -13,10 +13,20 @@ import math
 import pytest
 import torch
 
-from tests import scheduler_topology as topo
-from tests.subprocess_runner import run_python
+from tests.support import scheduler as topo
+from tests.support.processes import run_python
 from vllm_dcp_geometry import DcpGeometryError, contract
 from vllm_dcp_geometry._patching import original_of
+
+pytestmark = pytest.mark.patches(
+    "common.kv_cache_interface",
+    "engine_core.kv_cache_utils",
+    "engine_core.single_type_kv_cache_manager",
+    "engine_core.kv_cache_coordinator",
+    "engine_core.kv_cache_planning",
+    "engine_core.kv_connector_base",
+    "benchmarks.forward_batch",
+)
 
 B = topo.ATTENTION_BLOCK
 

@@ -12,10 +12,13 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
 
-from tests.spec_catalogue import answers, build_specs, make_vllm_config, mamba_align
-from tests.subprocess_runner import run_python
+from tests.support.processes import run_python
+from tests.support.specs import answers, build_specs, mamba_align
+from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import DcpGeometryError, with_dcp_kv_shard_count
 from vllm_dcp_geometry import contract as c
+
+pytestmark = pytest.mark.patches("common.kv_cache_interface")
 
 L = 1_000_000
 ATTN = {"num_kv_heads": 8, "head_size": 128, "dtype": torch.bfloat16}
@@ -233,7 +236,7 @@ def test_specs_without_a_count_answer_as_unpatched_vllm() -> None:
     repr and pickled bytes must all be identical."""
     script = """
 import json
-from tests.spec_catalogue import answers
+from tests.support.specs import answers
 print(json.dumps({"1": answers(1), "16": answers(16)}))
 """
     unpatched = run_python(script, patched=False)

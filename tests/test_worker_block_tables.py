@@ -18,9 +18,9 @@ import torch
 from vllm.v1 import kv_cache_interface as k
 from vllm.v1.worker.block_table import get_block_table_width
 
-from tests import worker_harness as h
-from tests.spec_catalogue import mamba_align
-from tests.vllm_configs import make_vllm_config
+from tests.support import worker as h
+from tests.support.specs import mamba_align
+from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import DcpGeometryError, plugin
 from vllm_dcp_geometry import contract as c
 from vllm_dcp_geometry._patching import original_of
@@ -39,6 +39,14 @@ from vllm_dcp_geometry.patches.worker import (
 )
 from vllm_dcp_geometry.patches.worker import (
     gpu_model_runner_v2 as v2_runner_patch,
+)
+
+pytestmark = pytest.mark.patches(
+    "worker.block_table",
+    "worker.gpu_model_runner",
+    "worker.gpu_block_table",
+    "worker.gpu_model_runner_v2",
+    "worker.dflash_speculator",
 )
 
 ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}

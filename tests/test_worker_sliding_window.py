@@ -22,9 +22,16 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
 
-from tests import worker_harness as h
-from tests.spec_catalogue import mamba_align
-from tests.vllm_configs import make_vllm_config
+from tests.support import worker as h
+from tests.support.specs import mamba_align
+from tests.support.vllm_configs import make_vllm_config
+
+pytestmark = pytest.mark.patches(
+    "worker.block_table",
+    "worker.gpu_model_runner",
+    "worker.gpu_block_table",
+    "worker.gpu_model_runner_v2",
+)
 
 ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
 B = 16

@@ -12,7 +12,8 @@ imports: forbidden imports and settings in the package.
   ``if TYPE_CHECKING:``).
 - Library code never imports the test suite, and never sets the CPU-testing
   switches (TRITON_INTERPRET, CUDA_VISIBLE_DEVICES, PIN_MEMORY): those belong
-  in tests/conftest.py.
+  in tests/conftest.py. One module is exempt, ``CPU_WORKER_SWITCHES``: the
+  environment ``ranks`` gives the CPU worker processes it spawns.
 - Patch modules are removable one at a time: nothing in the package or the
   benchmarks imports a module under ``vllm_dcp_geometry.patches`` (at any
   level, by statement or by ``importlib``), except the registry
@@ -57,6 +58,10 @@ REGISTRY = (
 )
 REGISTRY_NAMES = {"PATCH_MODULES", "PATCH_PACKAGE", "patch_table_markdown"}
 TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
+CPU_WORKER_SWITCHES = Path("vllm_dcp_geometry/cli/ranks/cpu.py")
+"""The one library module that may name the switches: what ``ranks`` puts in
+the environment of the worker processes it spawns on a machine with no GPU
+(never in its own process, never at import time)."""
 
 
 def _top_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
@@ -123,6 +128,20 @@ def _imported_patch_modules(tree: ast.Module, path: Path) -> list[tuple[int, str
     return found
 
 
+def shared_module_names() -> list[str]:
+    """The shared modules as ``vllm_dcp_geometry.patches.SHARED_MODULES``
+    lists them, read from its source (this tool imports nothing of ours)."""
+    registry = Path(__file__).resolve().parent.parent / REGISTRY[0]
+    tree = ast.parse(registry.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(getattr(t, "id", None) == "SHARED_MODULES" for t in targets):
+                assert node.value is not None
+                return [name for name, _ in ast.literal_eval(node.value)]
+    raise SystemExit(f"{REGISTRY[0]}: SHARED_MODULES not found")
+
+
 def patch_import_problems(path: Path, tree: ast.Module) -> list[str]:
     if path.parts[0] not in ("vllm_dcp_geometry", "benchmarks"):
         return []
@@ -131,7 +150,7 @@ def patch_import_problems(path: Path, tree: ast.Module) -> list[str]:
     return [
         f"{path}:{lineno}: imports patch module {name}; patch modules must be "
         "removable one at a time: move what it shares into a non-patch module "
-        "(contract, geometry, group_context, attention_geometry)"
+        f"({', '.join(shared_module_names())})"
         for lineno, name in _imported_patch_modules(tree, path)
     ]
 
@@ -156,6 +175,8 @@ def import_problems(path: Path) -> list[str]:
             )
         if root == "tests":
             found.append(f"{path}:{lineno}: library code imports the test suite")
+    if path == CPU_WORKER_SWITCHES:
+        return found
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Constant)

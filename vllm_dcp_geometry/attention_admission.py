@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.layer_classes import (
+    DEEPSEEK_V32_ATTENTION,
+    DEEPSEEK_V32_INDEXER_CACHE,
     GENERIC_LAYERS,
     SPECIALIZED_DECODE_LAYERS,
     TAUGHT_LAYERS,
@@ -75,9 +77,16 @@ class TaughtBackend:
     the builder; where it is not applied, start-up refuses the backend's
     K < D naming it."""
 
+    layers: frozenset[str] | None = None
+    """The layer classes it is taught for (None: every taught class of its
+    kind). The sparse backends' top-k comes from their layer's indexer call,
+    which only the taught DeepSeek-V3.2 layer hands the group's K."""
+
 
 _BACKENDS = "vllm.v1.attention.backends."
 _MLA_PATCH = "worker.mla_attention"
+_SPARSE_PATCH = "worker.sparse_mla_attention"
+_SPARSE_LAYERS = frozenset({DEEPSEEK_V32_ATTENTION})
 TAUGHT_BACKENDS: dict[str, TaughtBackend] = {
     "FLASH_ATTN": TaughtBackend(
         AttentionKind.ATTENTION,
@@ -113,6 +122,31 @@ TAUGHT_BACKENDS: dict[str, TaughtBackend] = {
         AttentionKind.MLA,
         _BACKENDS + "mla.triton_mla.TritonMLAMetadataBuilder",
         _MLA_PATCH,
+    ),
+    "FLASHMLA_SPARSE": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashmla_sparse.FlashMLASparseMetadataBuilder",
+        "worker.flashmla_sparse",
+        _SPARSE_LAYERS,
+    ),
+    "FLASHINFER_MLA_SPARSE": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS
+        + "mla.flashinfer_mla_sparse.FlashInferMLASparseTRTLLMMetadataBuilder",
+        _SPARSE_PATCH,
+        _SPARSE_LAYERS,
+    ),
+    "FLASH_ATTN_MLA_SPARSE_FA4": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashattn_mla_sparse.FlashAttnMLASparseFA4MetadataBuilder",
+        _SPARSE_PATCH,
+        _SPARSE_LAYERS,
+    ),
+    "DEEPSEEK_V32_INDEXER": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.indexer.DeepseekV32IndexerMetadataBuilder",
+        "worker.mla_indexer",
+        frozenset({DEEPSEEK_V32_INDEXER_CACHE}),
     ),
 }
 """Every backend the plugin taught a group's K, by vLLM backend name. Any
@@ -230,27 +264,41 @@ def _taught(kind: AttentionKind, backend: str, k: int) -> bool:
     )
 
 
+def _backend_layers(backend: str) -> frozenset[str] | None:
+    taught = TAUGHT_BACKENDS.get(backend)
+    return None if taught is None else taught.layers
+
+
 def _refusal(head: str, why: str, remedy: str) -> AttentionAdmission:
     return AttentionAdmission(AttentionMode.REFUSED, f"{head}: {why}; {remedy}")
 
 
-def _remedy(kind: AttentionKind) -> str:
-    taught = ", ".join(n for n, t in TAUGHT_BACKENDS.items() if t.kind is kind)
+def is_sparse_backend_name(backend: str) -> bool:
+    """Sparse MLA backends and indexer caches (vLLM 0.33.0's names)."""
+    return "SPARSE" in backend or "INDEXER" in backend
+
+
+def _remedy(kind: AttentionKind, backend: str) -> str:
+    sparse = is_sparse_backend_name(backend)
+    taught = ", ".join(
+        n
+        for n, t in TAUGHT_BACKENDS.items()
+        if t.kind is kind and is_sparse_backend_name(n) == sparse
+    )
     return f"use K=D ('sharded') for this group, or the {taught} backend"
 
 
 def _untaught(
     head: str, kind: AttentionKind, backend: str, k: int, vllm_k: int
 ) -> AttentionAdmission:
-    sparse = "SPARSE" in backend or "INDEXER" in backend
-    what = "sparse MLA and its indexer are" if sparse else f"{backend} is"
+    what = f"{backend} is"
     if local_only_builder(backend) is not None:
         what = f"{backend} is taught K=1 only and"
     return _refusal(
         head,
         f"{what} not taught per-group DCP shard counts and would read this "
         f"cache with vLLM's own K={vllm_k}",
-        _remedy(kind),
+        _remedy(kind, backend),
     )
 
 
@@ -363,6 +411,23 @@ def admit_attention(
     if layer is None or (k > 1 and not layer.partial):
         path = GENERIC_LAYERS[mla] if layer_class is None else layer_class
         return _untaught_layer(head, kind, path, k, vllm_k)
+    if layer.backends is not None and backend not in layer.backends:
+        return _refusal(
+            head,
+            f"its layer class is taught per-group DCP shard counts only with "
+            f"{', '.join(sorted(layer.backends))}",
+            f"use one of them, or K={vllm_k} for this layer",
+        )
+    backend_layers = _backend_layers(backend)
+    if backend_layers is not None and layer.path not in backend_layers:
+        return _refusal(
+            head,
+            f"{backend} is taught per-group DCP shard counts only for "
+            f"{', '.join(sorted(backend_layers))} (whose own indexer call is "
+            f"taught the group's K); this layer class would read the cache with "
+            f"vLLM's own K={vllm_k}",
+            f"use K={vllm_k} for this layer",
+        )
     if specialized_decode and layer.path in SPECIALIZED_DECODE_LAYERS:
         return _refusal(
             head,

@@ -8,7 +8,7 @@ that needs a group's geometry is called from deep inside another upstream
 function, with no argument to carry it, the wrapper of the outer function sets
 a context variable for the duration of the upstream call and the wrapper of
 the inner one reads it. Outside those calls every channel is empty and the
-inner wrappers hand straight back to upstream. There are exactly three:
+inner wrappers hand straight back to upstream. There are exactly four:
 
 ``use_group_geometry`` / ``current_group_geometry``
     Set by the attention metadata builder patches while a group's upstream
@@ -37,6 +37,15 @@ inner wrappers hand straight back to upstream. There are exactly three:
     and a replicated sliding-window group its null masking. The runner sets
     a function the reader calls, so that it reads nothing before upstream's
     own first steps (and exceptions); None from it means upstream's tables.
+
+``use_indexer_geometry`` / ``current_indexer_geometry``
+    Set by the DeepSeek-V3.2 attention patch around one
+    ``sparse_attn_indexer`` call of a sparse layer whose indexer cache is
+    partial (1 < K < D); read by ``_merge_dcp_topk_global``, which the
+    indexer op calls inside with the shard world ``(K, r % K)`` but which
+    all-gathers over all D ranks: duplicate replicas (``r // K != 0``) then
+    send no candidates, so each shard's top-k is counted once. Why: the
+    merge takes a rank and world size, not the replica.
 
 Each wrapper that sets a channel checks afterwards that the reader really
 used it (the runners compare the tables they got with the layout), so a
@@ -75,9 +84,17 @@ class SideChannel:
     """Patch modules that read it."""
     written_when: str
     read_for: str
+    via: tuple[str, ...] = ()
+    """``module.function`` of shared code that sets or reads it on the
+    patches' behalf (a patch calling one of them writes or reads it)."""
 
 
-_BUILDERS = ("worker.flash_attn", "worker.flashinfer", "worker.mla_attention")
+_BUILDERS = (
+    "worker.flash_attn",
+    "worker.flashinfer",
+    "worker.mla_attention",
+    "worker.sparse_mla_attention",
+)
 CHANNELS: tuple[SideChannel, ...] = (
     SideChannel(
         "use_group_geometry",
@@ -90,6 +107,7 @@ CHANNELS: tuple[SideChannel, ...] = (
         "`get_dcp_local_seq_lens`) answer the group's `(K, r % K)`; MLA's "
         "`get_dcp_group` a world of 1 (K = 1), its DSpark check runs as at "
         "DCP 1, and its `build_mla_chunked_context_metadata` plans over K shards",
+        via=("metadata_builders.builder_init", "mla_geometry.make_local_group_getter"),
     ),
     SideChannel(
         "pending_block_table_layout",
@@ -108,9 +126,18 @@ CHANNELS: tuple[SideChannel, ...] = (
         "Model Runner V2 `initialize_kv_cache`",
         "`BlockTables.__init__` takes each group's K",
     ),
+    SideChannel(
+        "use_indexer_geometry",
+        "current_indexer_geometry",
+        ("worker.deepseek_v32_attention",),
+        ("worker.sparse_attn_indexer",),
+        "DeepSeek-V3.2's `sparse_attn_indexer` call of a sparse layer whose "
+        "indexer cache is partial",
+        "`_merge_dcp_topk_global` (all-gathering over D) drops duplicate "
+        "replicas' candidates",
+    ),
 )
 """Every side channel: the README's side-channel table is made from these."""
-
 
 TAKEN_LAYOUT_ATTR = "dcp_geometry_layout"
 """Set on a ``MultiGroupBlockTable`` to the layout it took from the channel."""
@@ -147,6 +174,29 @@ def use_group_geometry(geometry: GroupGeometry) -> Iterator[GroupGeometry]:
 def current_group_geometry() -> GroupGeometry | None:
     """The group whose builder code is running, or None outside one."""
     return _active_group.get()
+
+
+_active_indexer: contextvars.ContextVar[GroupGeometry | None] = contextvars.ContextVar(
+    "vllm_dcp_geometry_active_indexer", default=None
+)
+
+
+@contextlib.contextmanager
+def use_indexer_geometry(geometry: GroupGeometry) -> Iterator[GroupGeometry]:
+    """Make ``geometry`` (a partial indexer cache's) the one the top-k merge
+    answers for, for the duration of one ``sparse_attn_indexer`` call."""
+    if not geometry.is_partial:
+        raise ValueError(f"{geometry.describe()}: only a partial indexer merges")
+    token = _active_indexer.set(geometry)
+    try:
+        yield geometry
+    finally:
+        _active_indexer.reset(token)
+
+
+def current_indexer_geometry() -> GroupGeometry | None:
+    """The partial indexer cache whose top-k is being merged, or None."""
+    return _active_indexer.get()
 
 
 @contextlib.contextmanager

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_dcp_geometry.attention_geometry import bind_impl_to_group
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.impl_binding import bind_impl_to_group
 from vllm_dcp_geometry.layer_classes import (
     BINDING_PATCHES,
     LAYER_BINDERS,
@@ -66,6 +66,28 @@ def _require_impl(layer: Any, name: str, geometry: GroupGeometry) -> None:
         )
 
 
+def check_reader(
+    layer: Any, name: str, geometry: GroupGeometry, context: dict[str, Any]
+) -> None:
+    """A layer whose cache another layer reads (``TaughtLayer.read_by``) is
+    bound only where that reader is the taught class."""
+    taught = taught_layer(layer_class_path(layer), True) or taught_layer(
+        layer_class_path(layer), False
+    )
+    if taught is None or taught.read_by is None:
+        return
+    reader_of, reader_class = taught.read_by
+    reader_name = reader_of(name) or "(no reader name)"
+    reader = context.get(reader_name)
+    found = "not in the forward context" if reader is None else layer_class_path(reader)
+    if found != reader_class:
+        raise DcpGeometryError(
+            f"{geometry.describe()}: layer {name} ({taught.path}) is read by "
+            f"{reader_name} ({found}), not a {reader_class}, the only reader "
+            "taught this cache's K; use K=D for it"
+        )
+
+
 def layer_binder(
     layer: Any, name: str, geometry: GroupGeometry, mla: bool
 ) -> LayerBinder | None:
@@ -79,7 +101,8 @@ def layer_binder(
                 "has no attention impl and runs only K=1"
             )
         return None
-    _require_impl(layer, name, geometry)
+    if binding is not LayerBinding.SPARSE_INDEXER_CACHE:
+        _require_impl(layer, name, geometry)
     if binding is LayerBinding.IMPL:
         return _bind_impl
     if binding is LayerBinding.MLA:
@@ -109,10 +132,11 @@ def bind_group_layers(
     layer is checked before any is bound."""
     if geometry.is_sharded:
         return
-    plan = [
-        (layer, name, layer_binder(layer, name, geometry, mla))
-        for name, layer in group_layers(vllm_config, layer_names, geometry)
-    ]
+    context = vllm_config.compilation_config.static_forward_context
+    plan = []
+    for name, layer in group_layers(vllm_config, layer_names, geometry):
+        check_reader(layer, name, geometry, context)
+        plan.append((layer, name, layer_binder(layer, name, geometry, mla)))
     for layer, name, binder in plan:
         if binder is not None:
             binder(layer, geometry, name)

@@ -55,6 +55,14 @@ class LayerBinding(str, enum.Enum):
     context path): 1 for K = 1, D otherwise. Needs the patch
     ``patches.worker.kimi_k3_mla``, which registers the binder."""
 
+    SPARSE_INDEXER_CACHE = "sparse-indexer-cache"
+    """A DSA indexer cache read by its DeepSeek-V3.2 attention layer's
+    ``sparse_attn_indexer`` call: that call takes the cache's shard world
+    ``(K, r % K)`` (no merge for K = 1; duplicate replicas send no top-k
+    candidates for 1 < K < D). Needs the patch
+    ``patches.worker.deepseek_v32_attention``, which registers the binder
+    (and checks that the cache's owner layer is that class)."""
+
     NONE = "none"
     """Nothing: the layer has no impl and reads only the builder's metadata,
     which the group's builder already builds in the group's world. Only
@@ -79,11 +87,44 @@ class TaughtLayer:
     why_not_partial: str = ""
     """Why 1 < K < D is refused for this class (``partial`` False)."""
 
+    backends: frozenset[str] | None = None
+    """The backends it is taught with (None: any taught backend of its
+    kind); vLLM picks these layers' backends from the model, not the spec."""
+
+    read_by: tuple[Callable[[str], str | None], str] | None = None
+    """``(reader_name, class)``: the layer has no impl; the layer named
+    ``reader_name(name)``, of that class, reads its cache (an indexer cache
+    and its attention layer). Binding refuses any other reader."""
+
 
 _GENERIC_ATTENTION = "vllm.model_executor.layers.attention.attention.Attention"
 _GENERIC_MLA = "vllm.model_executor.layers.attention.mla_attention.MLAAttention"
 KIMI_K3_MLA = "vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention"
 FLINT_ATTENTION = "vllm.models.flint.model.FlintAttention"
+DEEPSEEK_V32_ATTENTION = "vllm.models.deepseek_v32.attention.DeepseekV32Attention"
+DEEPSEEK_V32_INDEXER_CACHE = (
+    "vllm.model_executor.models.deepseek_v2.DeepseekV32IndexerCache"
+)
+SPARSE_MLA_BACKENDS = frozenset(
+    {"FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE", "FLASH_ATTN_MLA_SPARSE_FA4"}
+)
+"""The sparse MLA backends that run DCP in vLLM 0.33.0 (the taught ones)."""
+DSA_INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"
+"""The backend of a DeepSeek-V3.2 indexer cache (the layer picks it)."""
+INDEXER_CACHE_SUFFIX = ".indexer.k_cache"
+LATENT_CACHE_SUFFIX = ".attn"
+"""DeepSeek-V3.2 names a layer's caches from its module prefix ``P``: the
+attention layer (latent cache) is ``P.attn``, its indexer cache
+``P.indexer.k_cache``."""
+
+
+def indexer_latent_name(name: str) -> str | None:
+    """The latent cache's layer name for an indexer cache's (None: ``name``
+    is not an indexer cache's)."""
+    if not name.endswith(INDEXER_CACHE_SUFFIX):
+        return None
+    return name.removesuffix(INDEXER_CACHE_SUFFIX) + LATENT_CACHE_SUFFIX
+
 
 _NO_IMPL_PARTIAL = (
     "the layer has no attention impl: it reads the builder's lengths and block "
@@ -97,6 +138,24 @@ TAUGHT_LAYERS: dict[str, TaughtLayer] = {
         TaughtLayer(_GENERIC_MLA, True, LayerBinding.MLA, True),
         # Target, KimiK3MTP and the DSpark draft (K3DSparkDecoderLayer).
         TaughtLayer(KIMI_K3_MLA, True, LayerBinding.KIMI_K3_MLA, True),
+        # DeepSeek-V3.2, GLM-5 (GlmMoeDsa) and their MTP layers on CUDA: the
+        # sparse latent cache (gather and combine gated on the impl) and its
+        # indexer cache, read by the layer's indexer call.
+        TaughtLayer(
+            DEEPSEEK_V32_ATTENTION,
+            True,
+            LayerBinding.MLA,
+            True,
+            backends=SPARSE_MLA_BACKENDS,
+        ),
+        TaughtLayer(
+            DEEPSEEK_V32_INDEXER_CACHE,
+            True,
+            LayerBinding.SPARSE_INDEXER_CACHE,
+            True,
+            backends=frozenset({DSA_INDEXER_BACKEND}),
+            read_by=(indexer_latent_name, DEEPSEEK_V32_ATTENTION),
+        ),
         TaughtLayer(
             FLINT_ATTENTION,
             False,
@@ -162,7 +221,10 @@ LAYER_BINDERS: dict[LayerBinding, tuple[str, LayerBinder]] = {}
 """Binders that live in a model patch, by binding: (patch module, binder).
 A model patch adds its entry in ``apply()`` (undone with it)."""
 
-BINDING_PATCHES = {LayerBinding.KIMI_K3_MLA: "patches.worker.kimi_k3_mla"}
+BINDING_PATCHES = {
+    LayerBinding.KIMI_K3_MLA: "patches.worker.kimi_k3_mla",
+    LayerBinding.SPARSE_INDEXER_CACHE: "patches.worker.deepseek_v32_attention",
+}
 """The patch that must have registered each such binding's binder."""
 
 
@@ -217,9 +279,11 @@ AUDITED_CLASSES: dict[str, AuditedClass] = {
             "the DFlash2BeamAttention model; same impl-world assertion",
         ),
         _A(
-            "vllm.models.deepseek_v32.attention.DeepseekV32Attention",
-            _D.REFUSED,
-            "sparse MLA with its indexer: D from the parallel config per call",
+            DEEPSEEK_V32_ATTENTION,
+            _D.TAUGHT,
+            "sparse MLA with its indexer: its indexer call takes D and r from "
+            "the parallel config and DCP manager; the deepseek_v32_attention "
+            "patch hands it the indexer cache's (K, r % K)",
         ),
         _A(
             "vllm.models.deepseek_v41.nvidia.model.DeepseekV4Model",

@@ -30,13 +30,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from vllm_dcp_geometry.attention_geometry import (
-    BOUND_GEOMETRY_ATTR,
-    check_rebind,
-    make_impl_local,
-    mask_combine,
-)
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry, cdiv
+from vllm_dcp_geometry.group_context import current_group_geometry
+from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR, check_rebind
+from vllm_dcp_geometry.impl_binding import make_impl_local, mask_combine
 
 
 class ShardWorldGroup:
@@ -59,6 +56,20 @@ class ShardWorldGroup:
             f"{self._geometry.describe()}: the MLA builder of a local group read "
             f"the DCP group's {name!r}, which this plugin does not answer for it"
         )
+
+
+def make_local_group_getter(original: Callable[[], Any]) -> Callable[[], Any]:
+    """Wrapper factory for an MLA module's ``get_dcp_group``: a world of 1
+    (``ShardWorldGroup``) while a replicated group's builder is being built
+    (``group_context.use_group_geometry``), upstream's group otherwise."""
+
+    def get_dcp_group() -> Any:
+        geometry = current_group_geometry()
+        if geometry is None or not geometry.is_replicated:
+            return original()
+        return ShardWorldGroup(geometry)
+
+    return get_dcp_group
 
 
 class ShardWorldForwardMqa:
@@ -119,6 +130,16 @@ def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None
 
 
 # Chunked-prefill context of a partial group ------------------------------------
+
+CHUNK_PLANNER_PARAMETERS = (
+    "*, context_lens_cpu, prefill_query_start_loc_cpu, chunked_prefill_workspace, "
+    "chunked_prefill_workspace_size, block_size, align_chunk_to_block, device, "
+    "dcp_world_size, dcp_local_block_size, dcp_virtual_block_size, dcp_manager=, "
+    "align_indptr="
+)
+"""The parameters of vLLM's ``build_mla_chunked_context_metadata`` that
+``group_context_chunk_kwargs`` rewrites (pinned by the patches calling it).
+"""
 
 
 def context_row_budget(workspace_rows: int, geometry: GroupGeometry) -> int:

@@ -23,6 +23,11 @@ specs (so every worker applies the same overrides the same way):
 - K > 1 needs full attention (MLA included): sliding-window and other
   attention kinds reject it (vLLM only shards full attention under DCP); a
   partial K (``1 < K < D``) with prefill context parallelism > 1 is refused;
+- a DSA indexer cache (``P.indexer.k_cache``) takes its latent cache's
+  (``P.attn``) overrides where no pattern matches it, and both must end with
+  the same K: vLLM plans caches of different K as separate KV-cache groups,
+  and MLA pages of the latent and indexer sizes do not divide under the
+  default layout (its planner raises ``NotImplementedError``);
 - whether the layer's attention backend can run the K it gets is decided at
   start-up, when its builder is made, by the one admission rule
   (``vllm_dcp_geometry.attention_admission``), which names the backend;
@@ -46,7 +51,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dcp_geometry.attention_geometry import check_sharding_of_replicated_layer
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     TokenLayout,
@@ -55,6 +59,8 @@ from vllm_dcp_geometry.contract import (
     check_shard_count_divides,
     resolve_shard_count,
 )
+from vllm_dcp_geometry.layer_classes import indexer_latent_name
+from vllm_dcp_geometry.worker_admission import check_sharding_of_replicated_layer
 
 CONFIG_KEY = "dcp_geometry"
 """Key of this plugin's section in ``VllmConfig.additional_config``."""
@@ -292,6 +298,45 @@ def layer_geometry(
     return None if chosen is None else chosen[1]
 
 
+def indexer_cache_pairs(layer_names: Iterable[str]) -> list[tuple[str, str]]:
+    """(indexer cache, its latent cache) for every DSA indexer cache whose
+    latent layer is among ``layer_names``."""
+    names = set(layer_names)
+    pairs = []
+    for name in sorted(names):
+        latent = indexer_latent_name(name)
+        if latent is not None and latent in names:
+            pairs.append((name, latent))
+    return pairs
+
+
+def with_indexer_caches(
+    matches: Mapping[str, tuple[LayerOverride, ...]], layer_names: Iterable[str]
+) -> dict[str, tuple[LayerOverride, ...]]:
+    """``matches`` with every unmatched indexer cache taking its latent
+    cache's overrides (the two are one layer to an operator)."""
+    result = dict(matches)
+    for indexer, latent in indexer_cache_pairs(layer_names):
+        if indexer not in result and latent in result:
+            result[indexer] = result[latent]
+    return result
+
+
+def check_indexer_caches(shard_counts: Mapping[str, int], dcp_world_size: int) -> None:
+    """An indexer cache and its latent cache must have the same K (rule A5);
+    ``shard_counts`` gives each layer's K."""
+    for indexer, latent in indexer_cache_pairs(shard_counts):
+        k_indexer, k_latent = shard_counts[indexer], shard_counts[latent]
+        if k_indexer != k_latent:
+            raise DcpGeometryError(
+                f"layer {indexer!r} (indexer cache, K={k_indexer}) and its latent "
+                f"cache {latent!r} (K={k_latent}) must share one K (D="
+                f"{dcp_world_size}): caches of different K form separate KV-cache "
+                "groups, whose MLA page sizes vLLM's planner cannot unify; give "
+                "both the same dcp_geometry override"
+            )
+
+
 # Application to vLLM specs (vLLM imported lazily) ----------------------------
 
 
@@ -337,8 +382,11 @@ def apply_to_kv_cache_specs(
     # A pipeline stage only holds its own layers; the engine core checks the
     # union of every worker's layers instead.
     stage_holds_all_layers = getattr(parallel, "pipeline_parallel_size", 1) == 1
-    matches = match_layers(
-        overrides, kv_cache_spec, require_every_pattern=stage_holds_all_layers
+    matches = with_indexer_caches(
+        match_layers(
+            overrides, kv_cache_spec, require_every_pattern=stage_holds_all_layers
+        ),
+        kv_cache_spec,
     )
     result = dict(kv_cache_spec)
     for name, matching in matches.items():
@@ -361,6 +409,9 @@ def apply_to_kv_cache_specs(
             dcp_sharded=geometry.dcp_sharded,
             dcp_kv_shard_count=geometry.dcp_kv_shard_count,
         )
+    check_indexer_caches(
+        {name: spec.dcp_shard_count(dcp) for name, spec in result.items()}, dcp
+    )
     return result
 
 
@@ -381,7 +432,7 @@ def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -
     for specs in worker_specs:
         for name, spec in specs.items():
             union.setdefault(name, []).append(spec)
-    matches = match_layers(overrides, union)
+    matches = with_indexer_caches(match_layers(overrides, union), union)
     for name, matching in matches.items():
         for spec in union[name]:
             geometry = layer_geometry(

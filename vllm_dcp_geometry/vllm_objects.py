@@ -86,9 +86,21 @@ def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
         kwargs["dcp_kv_shard_count"] = group.dcp_kv_shard_count
     if group.kind == "mla":
         cls: Any = kvi.MLAAttentionSpec
-        for key in ("cache_dtype_str", "non_causal_multi_token_decode"):
+        for key in (
+            "cache_dtype_str",
+            "non_causal_multi_token_decode",
+            "state_content_bytes",
+        ):
             if key in f:
                 kwargs[key] = f[key]
+        if "cache_role" in f:
+            try:
+                kwargs["cache_role"] = kvi.SparseCacheRole(f["cache_role"])
+            except ValueError as exc:
+                roles = [role.value for role in kvi.SparseCacheRole]
+                raise TopologyError(
+                    f"{where}: unknown cache_role {f['cache_role']!r}; one of {roles}"
+                ) from exc
     elif group.kind == "sliding_window":
         cls = kvi.SlidingWindowSpec
         kwargs["sliding_window"] = f["sliding_window"]

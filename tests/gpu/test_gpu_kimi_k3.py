@@ -4,7 +4,7 @@
 MLA backends and its real fused CUDA epilogues.
 
 The CPU numerics of ``tests/test_kimi_k3_layer.py`` on one CUDA device: D
-simulated ranks (``tests.kimi_k3_ranks``; only the DCP collectives are
+simulated ranks (``tests.support.kimi_k3``; only the DCP collectives are
 simulated) run the layer's own ``_attention`` with FLASH_ATTN_MLA and
 FLASHINFER_MLA (the DSpark draft's backend under DCP) and their own prefill
 backend, against a float64 single-device reference, in bfloat16 at
@@ -26,25 +26,22 @@ if str(ROOT) not in sys.path:
 
 import pytest  # noqa: E402
 
-from tests.gpu import (  # noqa: E402
+from tests.support.gpu import (  # noqa: E402
     MLA_TOLERANCE,
     gpu_marks,
     mla_shape,
+    patched_vllm,  # noqa: F401
     require_backend,
     run_outside_suite,
 )
 
-pytestmark = gpu_marks()
+pytestmark = [
+    *gpu_marks(),
+    pytest.mark.patches("worker.kimi_k3_mla", "worker.mla_attention", "worker.utils"),
+]
 
 BACKENDS = ("FLASH_ATTN_MLA", "FLASHINFER_MLA")
 CASES = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _patched() -> None:
-    import vllm_dcp_geometry
-
-    vllm_dcp_geometry.register()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -52,7 +49,7 @@ def _patched() -> None:
 def test_kimi_k3_layer_on_compiled_backends(
     backend: str, dcp: int, k: int, interleave: int
 ) -> None:
-    from tests.kimi_k3_ranks import run_kimi_case
+    from tests.support.kimi_k3 import run_kimi_case
 
     require_backend(backend)
     report = run_kimi_case(

@@ -3,7 +3,7 @@
 """MLA groups with K = 1, a partial K and K = D on vLLM's compiled MLA backends.
 
 The CPU numerics of ``tests/test_mla_numerics.py`` on one CUDA device: D
-simulated ranks (``tests.mla_harness``; only the DCP collectives are
+simulated ranks (``tests.support.mla``; only the DCP collectives are
 simulated, the ``vllm._C`` cache ops and every kernel are the real ones) run
 ``MLAAttention.forward_impl`` with FLASHMLA, FLASH_ATTN_MLA, FLASHINFER_MLA,
 CUTLASS_MLA and TRITON_MLA and their own prefill backend, against a float64
@@ -31,15 +31,19 @@ if str(ROOT) not in sys.path:
 
 import pytest  # noqa: E402
 
-from tests.gpu import (  # noqa: E402
+from tests.support.gpu import (  # noqa: E402
     MLA_TOLERANCE,
     gpu_marks,
     mla_shape,
+    patched_vllm,  # noqa: F401
     require_backend,
     run_outside_suite,
 )
 
-pytestmark = gpu_marks()
+pytestmark = [
+    *gpu_marks(),
+    pytest.mark.patches("worker.mla_attention", "worker.utils"),
+]
 
 BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA")
 # (D, K, I): replicated, partial, sharded at D = 4 (I = 1: FLASHINFER_MLA
@@ -47,19 +51,12 @@ BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRIT
 CASES = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, "B")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _patched() -> None:
-    import vllm_dcp_geometry
-
-    vllm_dcp_geometry.register()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("dcp", "k", "interleave"), CASES)
 def test_compiled_mla_backend_follows_the_group(
     backend: str, dcp: int, k: int, interleave: int | str
 ) -> None:
-    from tests.mla_cases import run_case
+    from tests.support.mla import run_case
 
     require_backend(backend)
     shape = mla_shape(backend)

@@ -2,9 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """The slot-mapping checks with compiled Triton kernels on a real GPU.
 
-Same cases as ``tests/test_worker_slot_mapping.py`` (every rank of every K | D,
-the mixed D = 16 topology, unpatched vLLM failing, D = 1 byte-identical), but
-with CUDA tensors and no interpreter.
+Same cases as ``tests/test_worker_slot_mapping.py`` (``tests.support.slot_mapping``:
+every rank of every K | D, the mixed D = 16 topology, unpatched vLLM failing,
+D = 1 byte-identical), but with CUDA tensors and no interpreter.
 
 Run it on a machine with a GPU, from the repository root, either way:
 
@@ -31,16 +31,21 @@ if str(ROOT) not in sys.path:
 
 import pytest  # noqa: E402
 
-from tests.gpu import gpu_marks, run_outside_suite  # noqa: E402
+from tests.support.gpu import gpu_marks, run_outside_suite  # noqa: E402
 
-pytestmark = gpu_marks()
+pytestmark = [
+    *gpu_marks(),
+    pytest.mark.patches(
+        "worker.block_table", "worker.gpu_model_runner", "worker.gpu_block_table"
+    ),
+]
 
 DEVICE = "cuda"
 
 UNPATCHED_CODE = """
 import json, sys
 sys.path.insert(0, ROOT)
-from tests.test_worker_slot_mapping import dcp1_outputs, unpatched_mixed
+from tests.support.slot_mapping import dcp1_outputs, unpatched_mixed
 data = json.loads(DATA)
 print(json.dumps({
     "mixed": unpatched_mixed(data, "cuda"),
@@ -51,13 +56,13 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def sm() -> Any:
-    """The CPU test module's cases, in a patched process."""
+    """The slot-mapping cases the CPU tests run, in a patched process."""
     import vllm_dcp_geometry
 
     vllm_dcp_geometry.register()
-    from tests import test_worker_slot_mapping
+    from tests.support import slot_mapping
 
-    return test_worker_slot_mapping
+    return slot_mapping
 
 
 @pytest.fixture(scope="module")

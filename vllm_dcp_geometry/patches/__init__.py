@@ -7,12 +7,10 @@
 - ``worker``: model runners, block tables, attention metadata.
 - ``benchmarks``: vLLM's benchmark tools (``vllm bench``).
 
-No patch module imports another: what they share lives in
-``vllm_dcp_geometry.contract`` (the rules), ``geometry`` (what specs and
-groups say), ``group_context`` (the side channels), ``attention_geometry``
-(attention impl binding and combine), ``layer_classes`` (the taught layer
-classes and the registry model patches add their binders to) and
-``layer_binding``. ``tools/check_sources.py`` enforces it.
+No patch module imports another: what they share lives in the non-patch
+modules of ``SHARED_MODULES``, the one list of them (the README's and
+``tools/check_sources.py``'s come from it; a test holds it to what the patch
+modules import).
 
 ``PATCH_MODULES`` is the full list ``register()`` installs; the order is the
 order in which patches apply when their upstream modules are already loaded.
@@ -39,7 +37,40 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.worker.mla_attention",
     "vllm_dcp_geometry.patches.worker.kimi_k3_mla",
     "vllm_dcp_geometry.patches.worker.flint_model",
+    "vllm_dcp_geometry.patches.worker.sparse_mla_attention",
+    "vllm_dcp_geometry.patches.worker.flashmla_sparse",
+    "vllm_dcp_geometry.patches.worker.mla_indexer",
+    "vllm_dcp_geometry.patches.worker.deepseek_v32_attention",
+    "vllm_dcp_geometry.patches.worker.sparse_attn_indexer",
 )
+
+
+SHARED_MODULES: tuple[tuple[str, str], ...] = (
+    ("_patching", "applying and verifying patches, their ledger"),
+    ("contract", "the rules"),
+    ("geometry", "what specs and groups say"),
+    ("group_context", "the side channels"),
+    ("group_geometry", "a group's geometry on this worker"),
+    ("attention_admission", "the admission rule"),
+    ("worker_admission", "admission read off vLLM's objects"),
+    ("metadata_builders", "how a taught builder is built"),
+    ("impl_binding", "attention impls bound to their group"),
+    ("mla_geometry", "the MLA side"),
+    ("layer_classes", "the taught layer classes and the binder registry"),
+    ("hand_back", "upstream's exact path where nothing changes"),
+    ("overrides", "operator overrides"),
+)
+"""(module under ``vllm_dcp_geometry``, what it holds): every module a patch
+module may import apart from this registry."""
+
+
+def shared_modules_sentence() -> str:
+    """The README's sentence naming the shared modules."""
+    names = ", ".join(f"`{name}.py` ({role})" for name, role in SHARED_MODULES)
+    return (
+        "Patch modules never import each other: what they share lives in "
+        f"{names}; `tools/check_sources.py` enforces it."
+    )
 
 
 def _symbol_list(qualnames: list[str]) -> str:
@@ -66,6 +97,8 @@ def patch_table_markdown() -> str:
     from vllm_dcp_geometry.group_context import CHANNELS
 
     rows = [
+        shared_modules_sentence(),
+        "",
         "| runs in | vLLM module | replaces | relies on | adds | remove with | why "
         "| remove when | related |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

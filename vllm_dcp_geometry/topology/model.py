@@ -164,6 +164,7 @@ class Topology:
         self._check_group_names(where)
         for group in self.groups:
             self._check_group(group, where)
+        self._check_indexer_caches(where)
         if self.replay_tokens is not None:
             REPLAY_TOKENS_RANGE.check(self.replay_tokens, f"{where}: replay tokens")
         if self.replay_step_tokens is not None:
@@ -206,6 +207,23 @@ class Topology:
                         f"{seen[layer]!r} and group {group.name!r}"
                     )
                 seen[layer] = group.name
+
+    def _check_indexer_caches(self, where: str) -> None:
+        """A DSA indexer cache and its latent cache share one K (the rule
+        start-up applies to the specs, ``overrides.check_indexer_caches``)."""
+        from vllm_dcp_geometry.overrides import check_indexer_caches
+
+        dcp = self.decode_context_parallel_size
+        shard_counts = {
+            layer: group.shard_count(dcp)
+            for group in self.groups
+            if group.is_attention
+            for layer in group.layers
+        }
+        try:
+            check_indexer_caches(shard_counts, dcp)
+        except DcpGeometryError as exc:
+            raise TopologyError(f"{where}: {exc}") from exc
 
     def _check_group(self, group: CacheGroup, where: str) -> None:
         dcp = self.decode_context_parallel_size

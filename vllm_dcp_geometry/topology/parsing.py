@@ -50,7 +50,13 @@ _MAMBA_FIELDS = frozenset(
 )
 _SPEC_FIELDS: dict[str, frozenset[str]] = {
     "full_attention": _ATTENTION_FIELDS | {"sliding_window"},
-    "mla": _ATTENTION_FIELDS | {"cache_dtype_str", "non_causal_multi_token_decode"},
+    "mla": _ATTENTION_FIELDS
+    | {
+        "cache_dtype_str",
+        "non_causal_multi_token_decode",
+        "cache_role",
+        "state_content_bytes",
+    },
     "sliding_window": _ATTENTION_FIELDS | {"sliding_window"},
     "mamba": _MAMBA_FIELDS,
 }
@@ -61,6 +67,7 @@ _REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "mamba": ("shapes", "dtypes"),
 }
 _POSITIVE_FIELDS = (
+    "state_content_bytes",
     "num_kv_heads",
     "head_size",
     "head_size_v",
@@ -68,7 +75,13 @@ _POSITIVE_FIELDS = (
     "dcp_kv_shard_count",
 )
 _COUNT_FIELDS = ("num_speculative_blocks", "num_prefill_checkpoint_blocks")
-_NAME_FIELDS = ("dtype", "cache_dtype_str", "mamba_type", "mamba_cache_mode")
+_NAME_FIELDS = (
+    "dtype",
+    "cache_dtype_str",
+    "mamba_type",
+    "mamba_cache_mode",
+    "cache_role",
+)
 _GROUP_KEYS = frozenset(
     {
         "name",

@@ -18,7 +18,12 @@ from vllm_dcp_geometry.attention_admission import (
     is_mla_backend_name,
 )
 from vllm_dcp_geometry.geometry import default_shard_count, group_name
-from vllm_dcp_geometry.layer_classes import GENERIC_LAYERS
+from vllm_dcp_geometry.layer_classes import (
+    DEEPSEEK_V32_ATTENTION,
+    DEEPSEEK_V32_INDEXER_CACHE,
+    DSA_INDEXER_BACKEND,
+    GENERIC_LAYERS,
+)
 from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
 
 DEFAULT_ATTENTION_BACKENDS = {
@@ -29,6 +34,18 @@ DEFAULT_ATTENTION_BACKENDS = {
 """What vLLM 0.33.0 picks first for a group's kind on a Hopper (SM90) GPU
 (``vllm.platforms.cuda``'s backend priorities). ``--attention-backend NAME``
 replaces it for the groups of NAME's kind (MLA backends for MLA groups)."""
+
+LAYER_CLASS_BACKENDS = {
+    DEEPSEEK_V32_ATTENTION: "FLASHMLA_SPARSE",
+    DEEPSEEK_V32_INDEXER_CACHE: DSA_INDEXER_BACKEND,
+}
+"""What vLLM 0.33.0 picks on SM90 for a layer class with a backend of its own
+(DeepSeek-V3.2's sparse layers: FLASHMLA_SPARSE is the one sparse backend
+with DCP there)."""
+
+FIXED_BACKEND_CLASSES = frozenset({DEEPSEEK_V32_INDEXER_CACHE})
+"""Layer classes whose backend the layer fixes (``--attention-backend`` does
+not reach them)."""
 
 NON_CAUSAL_DCP_MLA_BACKEND = "FLASHINFER_MLA"
 """What vLLM 0.33.0 picks on SM90 for an MLA layer with non-causal
@@ -67,6 +84,8 @@ def check_attention_backend(name: str | None) -> str | None:
 
 def default_attention_backend(group: CacheGroup, dcp: int) -> str:
     """The backend vLLM 0.33.0 selects for the group on SM90."""
+    if group.layer_class in LAYER_CLASS_BACKENDS:
+        return LAYER_CLASS_BACKENDS[group.layer_class]
     if (
         group.kind == "mla"
         and dcp > 1
@@ -116,8 +135,10 @@ def group_attention(
     backend = None
     if kind is not AttentionKind.NONE:
         backend = default_attention_backend(group, dcp)
-        if attention_backend is not None and is_mla_backend_name(attention_backend) == (
-            kind is AttentionKind.MLA
+        if (
+            attention_backend is not None
+            and is_mla_backend_name(attention_backend) == (kind is AttentionKind.MLA)
+            and group.layer_class not in FIXED_BACKEND_CLASSES
         ):
             backend = attention_backend
     layer_class = group_layer_class(group)

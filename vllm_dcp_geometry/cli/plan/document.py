@@ -122,7 +122,7 @@ def _plan_group(
 ) -> dict[str, Any]:
     """One group's row: the patched geometry, unpatched vLLM's (its original
     methods) and how its attention runs."""
-    from vllm_dcp_geometry.attention_geometry import upstream_read_shard_count
+    from vllm_dcp_geometry.worker_admission import upstream_read_shard_count
 
     dcp = topology.decode_context_parallel_size
     length = topology.max_model_len

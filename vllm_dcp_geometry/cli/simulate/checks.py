@@ -259,7 +259,7 @@ class Checker:
         import numpy as np
         import torch
 
-        from vllm_dcp_geometry.attention_geometry import group_local_seq_lens
+        from vllm_dcp_geometry.metadata_builders import group_local_seq_lens
 
         builder_k = group.builder_shard_count
         seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)

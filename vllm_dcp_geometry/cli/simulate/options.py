@@ -5,7 +5,7 @@ where a caller looks into or alters a run (``SimulationHooks``).
 
 The command runs with the no-op ``SimulationHooks``. A caller that needs
 more subclasses ``SimulationOptions`` and returns its own hooks from
-``hooks()``: the tests do (``tests/simulate_hooks.py``), to feed every step's
+``hooks()``: the tests do (``tests/support/simulate.py``), to feed every step's
 scheduler output to vLLM's own worker code, to hand a check a deliberately
 wrong input, and to shift one rank's shard so that the checks must catch a
 broken geometry. Nothing a hook does is part of the command's behaviour.

@@ -85,8 +85,8 @@ def builder_shard_count(spec: Any, dcp: int, *, patched: bool) -> int:
     """The K a group's attention builder reads its cache with: the group's own
     (the patched builders run with ``(K, r % K)``), or what vLLM 0.33.0's
     attention code uses (MLA: always D; others: D if ``dcp_sharded``)."""
-    from vllm_dcp_geometry.attention_geometry import upstream_read_shard_count
     from vllm_dcp_geometry.geometry import get_kv_cache_dcp_shard_count
+    from vllm_dcp_geometry.worker_admission import upstream_read_shard_count
 
     if patched:
         return get_kv_cache_dcp_shard_count(spec, dcp)

@@ -22,7 +22,7 @@ model, before any spec existed): K = 1 runs plain local attention (no query
 all-gather, no LSE combine); 1 < K < D keeps the D-rank all-gather and combine
 but masks duplicate replicas (``q = r // K != 0``) to LSE = -inf, so each shard
 is counted once and the combined LSE that is merged with new-token attention
-is exact (see ``attention_geometry.mask_duplicate_replica_lse``).
+is exact (see ``impl_binding.mask_duplicate_replica_lse``).
 
 The global ``dcp_local_seq_lens`` of the runners (V1 ``gpu_model_runner``, V2
 ``gpu/cp_utils``/``gpu/attn_utils``) is left untouched: this builder never
@@ -52,16 +52,9 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.attention_geometry import (
-    BOUND_GEOMETRY_ATTR,
-    admit_builder,
-    resolve_group_geometry,
-)
-from vllm_dcp_geometry.group_context import (
-    current_group_geometry,
-    use_group_geometry,
-)
-from vllm_dcp_geometry.layer_binding import bind_group_layers
+from vllm_dcp_geometry.contract import GroupGeometry
+from vllm_dcp_geometry.group_context import current_group_geometry
+from vllm_dcp_geometry.metadata_builders import BuilderTeaching, builder_init
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flash_attn"
 RUNS_IN = "worker"
@@ -119,37 +112,26 @@ def _make_dcp_world_size_and_rank(
     return get_dcp_world_size_and_rank
 
 
-def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
-    def __init__(
-        self: Any,
-        kv_cache_spec: Any,
-        layer_names: list[str],
-        vllm_config: Any,
-        device: Any,
-    ) -> None:
-        geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is not None and geometry.needs_admission:
-            admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
-        if geometry is None or geometry.matches_default:
-            original(self, kv_cache_spec, layer_names, vllm_config, device)
-            if geometry is None:
-                return
-            if not geometry.needs_admission:
-                # vLLM's own K = D: its DCP path still drops sinks and
-                # mask_mods, which admission refuses for the layers using them.
-                admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
-        else:
-            with use_group_geometry(geometry):
-                original(self, kv_cache_spec, layer_names, vllm_config, device)
-            if geometry.is_partial:
-                # The DCP context pass attends with the queries of all D ranks.
-                self.num_heads_q *= geometry.dcp_world_size // geometry.shard_count
-        setattr(self, BOUND_GEOMETRY_ATTR, geometry)
-        bind_group_layers(vllm_config, layer_names, geometry, mla=False)
+def _scale_gathered_heads(
+    builder: Any, geometry: GroupGeometry, vllm_config: Any, device: Any
+) -> None:
+    if geometry.is_partial:
+        # The DCP context pass attends with the queries of all D ranks.
+        builder.num_heads_q *= geometry.replica_count
 
-    return __init__
+
+BUILDER_TEACHING = BuilderTeaching(
+    mla=False,
+    construct_in_group=lambda geometry: not geometry.matches_default,
+    finish=_scale_gathered_heads,
+    # vLLM's own K = D: its DCP path still drops sinks and mask_mods, which
+    # admission refuses for the layers using them.
+    admit_vllm_default=True,
+)
 
 
 def apply(module: ModuleType) -> None:
     wrap(module, "get_dcp_world_size_and_rank", _make_dcp_world_size_and_rank)
-    wrap(module.FlashAttentionMetadataBuilder, "__init__", _make_builder_init)
+    wrap(
+        module.FlashAttentionMetadataBuilder, "__init__", builder_init(BUILDER_TEACHING)
+    )

@@ -21,7 +21,7 @@ being built (outside our builder calls they are upstream's).
 
 Where K < D the constructor first admits the group
 (``attention_admission.admit_attention``). It binds the group's impls
-(``attention_geometry``): K = 1 runs
+(``impl_binding``): K = 1 runs
 plain local attention; 1 < K < D masks duplicate replicas to LSE = -inf
 before the D-rank combine, so the combined LSE is exact.
 
@@ -44,22 +44,17 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.attention_geometry import (
-    BOUND_GEOMETRY_ATTR,
-    admit_builder,
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.group_context import current_group_geometry
+from vllm_dcp_geometry.impl_binding import mask_combine
+from vllm_dcp_geometry.metadata_builders import (
+    BuilderTeaching,
     attach_local_seq_lens_buffer,
     bound_partial_geometry,
+    builder_init,
     group_local_seq_lens,
     make_partial_group_build,
-    mask_combine,
-    resolve_group_geometry,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.group_context import (
-    current_group_geometry,
-    use_group_geometry,
-)
-from vllm_dcp_geometry.layer_binding import bind_group_layers
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flashinfer"
 RUNS_IN = "worker"
@@ -147,31 +142,22 @@ def _make_local_seq_lens(original: Callable[..., Any]) -> Callable[..., Any]:
     return get_dcp_local_seq_lens
 
 
-def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
-    def __init__(
-        self: Any,
-        kv_cache_spec: Any,
-        layer_names: list[str],
-        vllm_config: Any,
-        device: Any,
-    ) -> None:
-        geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is None:
-            original(self, kv_cache_spec, layer_names, vllm_config, device)
-            return
-        if geometry.needs_admission:
-            admit_builder(self, geometry, kv_cache_spec, vllm_config, layer_names)
-        if geometry.is_replicated and not geometry.matches_default:
-            with use_group_geometry(geometry):
-                original(self, kv_cache_spec, layer_names, vllm_config, device)
-        else:
-            original(self, kv_cache_spec, layer_names, vllm_config, device)
-        setattr(self, BOUND_GEOMETRY_ATTR, geometry)
-        if geometry.is_partial:
-            attach_local_seq_lens_buffer(self, vllm_config, device)
-        bind_group_layers(vllm_config, layer_names, geometry, mla=False)
+def _attach_buffer(
+    builder: Any, geometry: GroupGeometry, vllm_config: Any, device: Any
+) -> None:
+    if geometry.is_partial:
+        attach_local_seq_lens_buffer(builder, vllm_config, device)
 
-    return __init__
+
+BUILDER_TEACHING = BuilderTeaching(
+    mla=False,
+    # A partial builder keeps D: FlashInfer plans with num_qo_heads * its
+    # dcp_world_size, the heads gathered over the DCP group.
+    construct_in_group=lambda geometry: (
+        geometry.is_replicated and not geometry.matches_default
+    ),
+    finish=_attach_buffer,
+)
 
 
 def _make_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -199,6 +185,6 @@ def apply(module: ModuleType) -> None:
     wrap(module, "get_dcp_world_size_and_rank", _make_dcp_world_size_and_rank)
     wrap(module, "get_dcp_local_seq_lens", _make_local_seq_lens)
     builder = module.FlashInferMetadataBuilder
-    wrap(builder, "__init__", _make_builder_init)
+    wrap(builder, "__init__", builder_init(BUILDER_TEACHING))
     wrap(builder, "build", make_partial_group_build)
     wrap(builder, "_get_prefill_wrapper", _make_get_prefill_wrapper)

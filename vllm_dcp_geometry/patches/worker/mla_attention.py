@@ -44,25 +44,20 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.attention_admission import AttentionMode
-from vllm_dcp_geometry.attention_geometry import (
-    BOUND_GEOMETRY_ATTR,
-    admit_builder,
-    attach_local_seq_lens_buffer,
-    make_partial_group_build,
-    resolve_group_geometry,
-)
 from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.group_context import (
-    current_group_geometry,
-    use_group_geometry,
+from vllm_dcp_geometry.group_context import current_group_geometry
+from vllm_dcp_geometry.metadata_builders import (
+    BuilderTeaching,
+    attach_local_seq_lens_buffer,
+    builder_init,
+    make_partial_group_build,
 )
-from vllm_dcp_geometry.layer_binding import bind_group_layers
 from vllm_dcp_geometry.mla_geometry import (
-    ShardWorldGroup,
+    CHUNK_PLANNER_PARAMETERS,
     check_context_workspace,
     decode_max_seq_len,
     group_context_chunk_kwargs,
+    make_local_group_getter,
 )
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.mla_attention"
@@ -97,10 +92,7 @@ REPLACES: tuple[UpstreamSymbol, ...] = (
     UpstreamSymbol(
         _M,
         "build_mla_chunked_context_metadata",
-        "*, context_lens_cpu, prefill_query_start_loc_cpu, "
-        "chunked_prefill_workspace, chunked_prefill_workspace_size, block_size, "
-        "align_chunk_to_block, device, dcp_world_size, dcp_local_block_size, "
-        "dcp_virtual_block_size, dcp_manager=, align_indptr=",
+        CHUNK_PLANNER_PARAMETERS,
     ),
 )
 RELIES_ON: tuple[UpstreamSymbol, ...] = (
@@ -125,18 +117,8 @@ RELIES_ON: tuple[UpstreamSymbol, ...] = (
     ),
 )
 ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.kimi_k3_mla",)
+REMOVE_WITH: tuple[str, ...] = ("worker.kimi_k3_mla", "worker.sparse_mla_attention")
 PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
-
-def _make_get_dcp_group(original: Callable[[], Any]) -> Callable[[], Any]:
-    def get_dcp_group() -> Any:
-        geometry = current_group_geometry()
-        if geometry is None or not geometry.is_replicated:
-            return original()
-        return ShardWorldGroup(geometry)
-
-    return get_dcp_group
 
 
 def _make_validate_dspark(original: Callable[..., None]) -> Callable[..., None]:
@@ -161,44 +143,24 @@ def _make_chunk_planner(original: Callable[..., Any]) -> Callable[..., Any]:
     return build_mla_chunked_context_metadata
 
 
-def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
-    def __init__(
-        self: Any,
-        kv_cache_spec: Any,
-        layer_names: list[str],
-        vllm_config: Any,
-        device: Any,
-        *args: Any,
-        **kwargs: Any,
-    ) -> None:
-        def construct() -> None:
-            original(
-                self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs
-            )
+def _finish_partial_builder(
+    builder: Any, geometry: GroupGeometry, vllm_config: Any, device: Any
+) -> None:
+    if not geometry.is_partial:
+        return
+    check_context_workspace(
+        geometry, builder.chunked_prefill_workspace_size, builder.page_size
+    )
+    attach_local_seq_lens_buffer(builder, vllm_config, device)
 
-        geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
-        if geometry is None or not geometry.needs_admission:
-            construct()
-            return
-        admission = admit_builder(
-            self, geometry, kv_cache_spec, vllm_config, layer_names
-        )
-        if geometry.is_sharded:
-            construct()
-            return
-        if admission.mode is AttentionMode.LOCAL:
-            with use_group_geometry(geometry):
-                construct()
-        else:
-            construct()
-            check_context_workspace(
-                geometry, self.chunked_prefill_workspace_size, self.page_size
-            )
-            attach_local_seq_lens_buffer(self, vllm_config, device)
-        setattr(self, BOUND_GEOMETRY_ATTR, geometry)
-        bind_group_layers(vllm_config, layer_names, geometry, mla=True)
 
-    return __init__
+BUILDER_TEACHING = BuilderTeaching(
+    mla=True,
+    # K = 1 builds vLLM's DCP1 builder (workspace, chunk plan, no KV gather);
+    # a partial builder keeps D for the query gather and combine.
+    construct_in_group=lambda geometry: geometry.is_replicated,
+    finish=_finish_partial_builder,
+)
 
 
 def _decode_bound(common_attn_metadata: Any, geometry: GroupGeometry) -> dict[str, Any]:
@@ -214,10 +176,10 @@ def _batch_bound_without_decodes(metadata: Any, common_attn_metadata: Any) -> No
 
 
 def apply(module: ModuleType) -> None:
-    wrap(module, "get_dcp_group", _make_get_dcp_group)
+    wrap(module, "get_dcp_group", make_local_group_getter)
     wrap(module, "build_mla_chunked_context_metadata", _make_chunk_planner)
     builder = module.MLACommonMetadataBuilder
-    wrap(builder, "__init__", _make_builder_init)
+    wrap(builder, "__init__", builder_init(BUILDER_TEACHING))
     wrap(builder, "_validate_dspark_dcp_support", _make_validate_dspark)
     wrap(
         builder,

@@ -31,11 +31,11 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.attention_admission import DCP_DROPPED_FEATURES
-from vllm_dcp_geometry.attention_geometry import (
+from vllm_dcp_geometry.group_geometry import resolve_group_geometry
+from vllm_dcp_geometry.worker_admission import (
     admit_group,
     attention_kind,
     backend_label,
-    resolve_group_geometry,
 )
 
 UPSTREAM_MODULE = "vllm.v1.worker.utils"

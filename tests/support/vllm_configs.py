@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""The one way tests build a vLLM config.
-
-Imported in the patched test process and in unpatched subprocesses alike.
+"""The one way tests build a vLLM config (``make_vllm_config``): vLLM's real
+parallel and cache configs in a light carrier, or a real ``VllmConfig``, with a
+model and a scheduler config where asked. Imported in the patched test process
+and in unpatched subprocesses alike.
 """
 
 from __future__ import annotations

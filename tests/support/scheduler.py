@@ -1,25 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""A mixed KV-cache topology driven through vLLM's real ``KVCacheManager``.
-
-Importable in the patched test process and in unpatched subprocesses (with
-``partial=False``: unpatched vLLM has no ``dcp_kv_shard_count``), so the same
-scenario can be compared on both sides. Everything returned is JSON-able.
-
-Topology (block size B = 64 for attention):
-
-- ``sharded``: full attention, K = D (vLLM's DCP sharding);
-- ``partial``: full attention with ``dcp_kv_shard_count = PARTIAL_K`` (only
-  with ``partial=True``; with ``partial=False`` it is a sharded group);
-- ``draft``: replicated draft attention (``dcp_sharded=False``, K = 1);
-- ``mamba``: Mamba, align mode, B = 768, 7 speculative blocks.
+"""A mixed KV-cache topology driven through vLLM's real ``KVCacheManager``
+(its specs, configs, manager, requests and the allocation and long-request
+scenarios, everything returned JSON-able): ``sharded`` full attention (K = D,
+vLLM's DCP sharding), ``partial`` full attention with ``dcp_kv_shard_count =
+PARTIAL_K`` (with ``partial=False`` a sharded group, since unpatched vLLM has
+no ``dcp_kv_shard_count``), ``draft``, replicated draft attention
+(``dcp_sharded=False``, K = 1), and ``mamba`` in align mode (B = 768, 7
+speculative blocks), attention blocks of B = 64. Importable in the patched
+test process and in unpatched subprocesses, so the same scenario can be
+compared on both sides.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tests.vllm_configs import make_vllm_config
+from tests.support.vllm_configs import make_vllm_config
 
 ATTENTION_BLOCK = 64
 MAMBA_BLOCK = 768

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Run a snippet in a fresh interpreter, patched or unpatched, and read back JSON.
-
-Patches are process-wide, so "unpatched vLLM" is only ever a fresh process
-that never calls ``register()``. The snippet must print one JSON document as
-its last line of standard output. The process itself is the library's one
-fresh-process runner (``vllm_dcp_geometry._fresh_process``); what only tests
-need, the CPU switches and registering the plugin, is prepended here.
+"""Fresh interpreters for the tests, patched or unpatched: ``run_python`` runs a
+snippet and reads back the JSON document it prints as its last line of
+standard output. Patches are process-wide, so "unpatched vLLM" is only ever a
+fresh process that never calls ``register()``. The process itself is the
+library's one fresh-process runner (``vllm_dcp_geometry._fresh_process``,
+whose ``run_fresh_python`` is re-exported here); what only tests need, the CPU
+switches (``CPU_PRELUDE``) and registering the plugin, is prepended here, and
+``REPO_ROOT`` is the working directory every child starts in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CPU_PRELUDE = """
 import os

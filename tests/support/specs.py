@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""One real instance of every vLLM 0.33.0 KV-cache spec type, and what they answer.
-
-Imported both in the patched test process and in unpatched subprocesses, so the
-two can be compared field by field.
+"""One real instance of every vLLM 0.33.0 KV-cache spec type (``build_specs``,
+``mamba_align``) and what they answer (``answers``: widths, memory, page
+sizes, merge, repr, pickled bytes), imported both in the patched test process
+and in unpatched subprocesses so the two can be compared field by field.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pickle
 from fractions import Fraction
 from typing import Any
 
-from tests.vllm_configs import make_vllm_config
+from tests.support.vllm_configs import make_vllm_config
 
 
 def mamba_align() -> Any:

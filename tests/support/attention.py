@@ -1,8 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Test-only set-up for the attention tests: real vLLM configs, layers and
-builders on CPU, with a stand-in for the DCP process group (none exists on a
-single CPU process) and the Triton interpreter shim vLLM's launcher needs."""
+"""What the attention tests build on CPU: a tiny MQA Llama config (TP16, so
+every D in {1, 2, 4, 8, 16} is admitted) as a real ``VllmConfig``, real vLLM
+attention layers, full-attention specs and decode batches, a stand-in for the
+DCP process group (none exists in a single CPU process), and the fixtures
+``cpu_platform`` (a device type for vLLM's unspecified platform) and
+``triton_interpreter_constexprs`` (the shim vLLM's kernel launcher needs under
+Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ def cpu_platform(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def tiny_model_config(dcp_world_size: int, interleave_size: int) -> Any:
     """A real ``VllmConfig`` of the tiny model at TP16 with DCP ``D``."""
-    from tests.vllm_configs import make_vllm_config
+    from tests.support.vllm_configs import make_vllm_config
 
     return make_vllm_config(
         dcp_world_size,
@@ -153,7 +157,3 @@ def triton_interpreter_constexprs(monkeypatch: pytest.MonkeyPatch) -> Iterator[N
             raising=False,
         )
     yield
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]

@@ -1,26 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Kimi-K3's MLA layer over D simulated DCP ranks on CPU.
-
-Each rank is built as in ``tests.mla_ranks`` (a real TRITON_MLA impl, the
+"""Kimi-K3's MLA layer over D simulated DCP ranks on CPU (``run_kimi_case``):
+each rank is built as in ``tests.support.mla`` (a real TRITON_MLA impl, the
 ``cpu_sdpa`` prefill backend, the layer's ``MLADCPManager`` and a real builder
 made by ``AttentionGroup.create_metadata_builders``), except that the layer in
-the forward context - the one the builder and the plugin's binding see - is
-vLLM's real ``vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention``. It is
-made without ``__init__`` (which needs a Kimi config, a CUDA stream and the
-selector), its attributes set as ``__init__`` sets them from the parts above,
-and its weights absorbed by its own ``process_weights_after_loading``. The
-forward is the layer's own ``_attention`` (decode through
-``impl.forward_mqa`` and its DCP gate, prefill through
-``_forward_prefill_fused`` with either context path).
-
-Stood in for: the four ``torch.ops._C.fused_kimi_k3_*`` CUDA ops behind the
-layer's real Python wrappers (checked against plain torch in
-``test_kimi_k3_layer``), the forward context, and what ``tests.mla_harness``
-stands in for. The context slots of every request are pre-written; the new
-tokens are written by the layer's own fused insert at the contract's slots.
-
-Importable without the plugin, so the unpatched baseline runs the same code.
+the forward context, the one the builder and the plugin's binding see, is
+vLLM's real ``vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention``, made
+without ``__init__`` (which needs a Kimi config, a CUDA stream and the
+selector), its attributes set as ``__init__`` sets them and its weights
+absorbed by its own ``process_weights_after_loading``; the forward is the
+layer's own ``_attention``. Stood in for: the four
+``torch.ops._C.fused_kimi_k3_*`` CUDA ops behind the layer's real Python
+wrappers (checked against plain torch in ``test_kimi_k3_layer``), the forward
+context, and what ``tests.support.mla`` stands in for. Importable without the
+plugin, so the unpatched baseline runs the same code.
 """
 
 from __future__ import annotations
@@ -33,27 +26,26 @@ from typing import Any
 
 import torch
 
-from tests.mla_harness import (
+from tests.support.mla import (
     CPU,
     LAYER,
     Batch,
     CooperativeRanks,
+    Rank,
+    RankResult,
     Shape,
     concat_and_cache_mla,
     cpu_shims,
-    make_batch,
-    replaced,
-    simulated_collectives,
-)
-from tests.mla_ranks import (
-    Rank,
-    RankResult,
+    evaluate,
     forward_inputs,
+    make_batch,
     make_ranks,
     mla_spec,
     rank_results,
     recording,
+    replaced,
     run_rank,
+    simulated_collectives,
 )
 from vllm_dcp_geometry.contract import reference_slot_mapping
 
@@ -179,7 +171,7 @@ def make_kimi_ranks(
     additional_config: dict[str, Any] | None = None,
     backend_name: str = "TRITON_MLA",
 ) -> tuple[list[Rank], list[Any]]:
-    """The ranks of ``tests.mla_ranks.make_ranks`` with Kimi-K3's layer in
+    """The ranks of ``tests.support.mla.make_ranks`` with Kimi-K3's layer in
     the forward context before the builders (and the plugin's binding) see
     it; each rank's cache holds its shard of every request's context."""
     layers: list[Any] = []
@@ -313,12 +305,10 @@ def run_kimi_case(
     backend_name: str = "TRITON_MLA",
 ) -> dict[str, Any]:
     """One (D, K, I) case through Kimi-K3's layer, evaluated against the
-    float64 single-device reference (``tests.mla_cases.evaluate``). Raises
+    float64 single-device reference (``tests.support.mla.evaluate``). Raises
     what the layer raises (the unpatched baseline's crash). On a GPU the
     fused ops and every kernel are the real ones; only the collectives are
     simulated."""
-    from tests.mla_cases import evaluate
-
     explicit = patched and shard_count != dcp
     batch = make_batch(dcp, shard_count, seed + 131 * dcp + 11 * shard_count, shape)
     coop = CooperativeRanks(dcp)

@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Drive vLLM's real worker block tables and slot-mapping kernels on CPU.
-
-Imported in the patched test process and in unpatched subprocesses alike, so
-nothing here calls a patched-only API unless its caller passes patched-only
-arguments. The Triton kernels run under the interpreter (``TRITON_INTERPRET=1``
-set by ``tests/conftest.py`` or ``tests.subprocess_runner``); the GPU check in
-``tests/gpu`` calls the same functions with CUDA tensors.
+"""Drive vLLM's real worker block tables and slot-mapping kernels on CPU:
+scenarios of requests and their block rows, Model Runner V1's
+``MultiGroupBlockTable`` and ``may_reinitialize_input_batch``, Model Runner
+V2's ``BlockTables`` and ``initialize_kv_cache`` on runner states without a
+model, and ``enable_v2_on_cpu``. Imported in the patched test process and in
+unpatched subprocesses alike, so nothing here calls a patched-only API unless
+its caller passes patched-only arguments. The Triton kernels run under the
+interpreter (``TRITON_INTERPRET=1`` set by ``tests/conftest.py`` or
+``tests.support.processes``); the GPU check in ``tests/gpu`` calls the same
+functions with CUDA tensors.
 """
 
 from __future__ import annotations
@@ -19,11 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_dcp_geometry.contract import cdiv
+
 PAD = -1
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def enable_v2_on_cpu() -> Callable[[], None]:
@@ -175,14 +176,6 @@ def build_v1_tables(
         modes,
         **patched_kwargs,
     )
-
-
-def emulate_dcp_group(block_table: Any, dcp_world_size: int, dcp_rank: int) -> None:
-    """What unpatched vLLM gives every table on rank ``dcp_rank`` of a real DCP
-    group (tests have no group, so upstream's fallback is 1 / 0)."""
-    for table in block_table.block_tables:
-        table.dcp_world_size = dcp_world_size
-        table.dcp_rank = dcp_rank
 
 
 def run_v1(block_table: Any, scenario: Scenario) -> dict[str, Any]:

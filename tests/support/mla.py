@@ -1,0 +1,795 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""vLLM's real MLA attention over D simulated DCP ranks on CPU, and the float64
+single-device reference it is held to: the harness's sizes (``Shape``, ``CPU``)
+and batches, the cooperative ranks and ``SimulatedGroup`` standing in for the
+DCP/TP process groups (only the collectives are simulated), stand-ins for the
+three ``vllm._C`` cache ops a CPU build lacks (checked against the contract in
+``test_mla_stand_ins``), each rank's real ``MLAAttention`` layer, TRITON_MLA
+impl, ``cpu_sdpa`` prefill backend and builder made by
+``AttentionGroup.create_metadata_builders``, one forward over the ranks in
+cooperative threads (one runs at a time; they hand over only inside a
+collective, so the real query all-gather, LSE combine and context KV
+all-gather see their peers), and ``run_case``: one (D, K, I) case evaluated
+against the reference. Importable without the plugin, so the unpatched
+baseline runs the very same code in a fresh process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.support.vllm_configs import make_vllm_config
+from vllm_dcp_geometry.contract import cdiv, reference_slot_mapping
+from vllm_dcp_geometry.mla_rank_run import (
+    STAND_IN_OPS,
+    max_error,
+    mla_reference,
+)
+
+# Re-exported: the stand-ins, by name, for the tests and ``cpu_stand_ins``.
+from vllm_dcp_geometry.mla_rank_run import (  # isort: skip
+    concat_and_cache_mla as concat_and_cache_mla,
+    cp_gather_cache as cp_gather_cache,
+    gather_and_maybe_dequant_cache as gather_and_maybe_dequant_cache,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model, cache and batch sizes of one harness run."""
+
+    block_size: int = 16
+    heads_per_rank: int = 2
+    kv_lora_rank: int = 256
+    rope_dim: int = 64  # MLA admits head sizes (L + R) of 320, 512 and 576 only
+    nope_dim: int = 16
+    v_head_dim: int = 16
+    max_model_len: int = 64
+    max_num_seqs: int = 8
+    num_blocks: int = 96
+    # (context length, query length), decodes first as the runner reorders
+    # them: decodes over long and short contexts (some shards empty),
+    # chunked-prefill continuations, a block-aligned prefix-cache hit and a
+    # prefill without context. The prefill contexts need several context
+    # chunks at D = 8 (workspace of 512 rows).
+    requests: tuple[tuple[int, int], ...] = (
+        (36, 1),
+        (4, 1),
+        (62, 1),
+        (45, 6),
+        (32, 9),
+        (57, 5),
+        (0, 5),
+        (50, 3),
+    )
+    num_decodes: int = 3
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def scale(self) -> float:
+        return float((self.nope_dim + self.rope_dim) ** -0.5)
+
+    @property
+    def head_size(self) -> int:
+        """The latent cache entry: ``kv_lora_rank + rope_dim``."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(n for _, n in self.requests[: self.num_decodes])
+
+
+CPU = Shape()
+LAYER = "model.layers.0.self_attn.attn"
+
+
+# Collectives --------------------------------------------------------------------
+
+
+class CooperativeRanks:
+    """Runs one function per rank in threads that take turns: a thread gives
+    up its turn only while it waits for its peers inside ``exchange``, so
+    vLLM's Triton interpreter never runs in two threads at once."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.turn = threading.Lock()
+        self.barrier = threading.Barrier(world_size, timeout=300)
+        self.slots: list[Any] = [None] * world_size
+        self.local = threading.local()
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.turn.release()
+        self.barrier.wait()
+        with self.turn:
+            everything = list(self.slots)
+        self.barrier.wait()
+        self.turn.acquire()
+        return everything
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def body(rank: int) -> None:
+            self.local.rank = rank
+            self.turn.acquire()
+            try:
+                results[rank] = fn(rank)
+            except BaseException as exc:
+                errors.append(exc)
+                self.barrier.abort()
+            finally:
+                self.turn.release()
+
+        threads = [
+            threading.Thread(target=body, args=(r,)) for r in range(self.world_size)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        if real or errors:
+            raise (real or errors)[0]
+        return results
+
+
+class SimulatedGroup:
+    """What vLLM reads of a ``GroupCoordinator`` here, over ``CooperativeRanks``."""
+
+    def __init__(self, ranks: CooperativeRanks | None, world_size: int, rank: int):
+        self.coop = ranks
+        self.world_size = world_size
+        self.rank_in_group = rank
+        self.rank = rank
+        self.ranks = list(range(world_size))
+        self.device_group = self
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        assert self.coop is not None, "collective outside a simulated forward"
+        return self.coop.exchange(self.rank_in_group, tensor.clone())
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat(self._exchange(tensor), dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        total = torch.stack(self._exchange(tensor)).sum(dim=0)
+        return total.chunk(self.world_size, dim=dim)[self.rank_in_group].contiguous()
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange(tensor)).sum(dim=0)
+
+    def all_gather_into_tensor(self, out: torch.Tensor, local: torch.Tensor) -> None:
+        out.copy_(torch.cat(self._exchange(local), dim=0))
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def all_to_all_single(
+    out: Any, local: Any, group: Any = None, async_op: bool = False, **_: Any
+) -> Any:
+    """Stand-in for ``torch.distributed.all_to_all_single`` (the MLA combine
+    with ``dcp_comm_backend="a2a"``) over a ``SimulatedGroup``: chunk ``j`` of
+    every rank's input lands, in rank order, in rank ``j``'s output."""
+    assert isinstance(group, SimulatedGroup), group
+    sent = group._exchange(local)
+    me = group.rank_in_group
+    out.copy_(torch.cat([s.chunk(group.world_size)[me] for s in sent]))
+    return _Done() if async_op else None
+
+
+def all_gather_into_tensor(out: Any, local: Any, group: Any = None, **_: Any) -> None:
+    """Stand-in for ``torch.distributed.all_gather_into_tensor`` (the MLA
+    context KV gather) over a ``SimulatedGroup``."""
+    assert isinstance(group, SimulatedGroup), group
+    group.all_gather_into_tensor(out, local)
+
+
+# Stand-ins for vllm._C cache ops (see test_mla_stand_ins): the library's
+# (``vllm_dcp_geometry.mla_rank_run``), which ``vllm-dcp-geometry ranks`` uses too.
+
+
+# CPU set-up ----------------------------------------------------------------------
+
+
+@contextmanager
+def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextmanager
+def simulated_collectives() -> Iterator[None]:
+    """The MLA context KV gather (captured when a builder is made, so hold
+    this around ``make_ranks`` too) and the all-to-all combine over a
+    ``SimulatedGroup``."""
+    with (
+        replaced(torch.distributed, "all_gather_into_tensor", all_gather_into_tensor),
+        replaced(torch.distributed, "all_to_all_single", all_to_all_single),
+    ):
+        yield
+
+
+@contextmanager
+def cpu_stand_ins() -> Iterator[None]:
+    """The ``vllm._C`` cache ops a CPU build lacks, stood in for."""
+    import vllm._custom_ops as ops
+
+    this = sys.modules[__name__]
+    with contextlib.ExitStack() as stack:
+        for name in STAND_IN_OPS:
+            stack.enter_context(replaced(ops, name, getattr(this, name)))
+        yield
+
+
+@contextmanager
+def cpu_shims() -> Iterator[None]:
+    """What a CPU process lacks for this path, stood in for while a case runs:
+    a device type and SM count for the unspecified platform, no pinned host
+    memory in the MLA builder, and the ``constexprs`` attribute vLLM's kernel
+    launcher reads from Triton's interpreter (see ``tests.support.attention``)."""
+    from triton.runtime import interpreter
+    from vllm.model_executor.layers.attention import mla_attention
+    from vllm.platforms import current_platform
+
+    from tests.support.attention import _interpreted_constexprs
+
+    def compute_units(*_: Any) -> int:
+        return 4
+
+    function = interpreter.InterpretedFunction
+    shim = (
+        None if hasattr(function, "constexprs") else property(_interpreted_constexprs)
+    )
+    if shim is not None:
+        function.constexprs = shim  # type: ignore[attr-defined]
+    try:
+        with (
+            replaced(current_platform, "device_type", "cpu"),
+            replaced(current_platform, "num_compute_units", compute_units),
+            replaced(mla_attention, "PIN_MEMORY", False),
+            cpu_stand_ins(),
+            simulated_collectives(),
+        ):
+            yield
+    finally:
+        if shim is not None:
+            del function.constexprs  # type: ignore[attr-defined]
+
+
+# Model and batch ------------------------------------------------------------------
+
+
+def model_dir(dcp: int, shape: Shape = CPU) -> Path:
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": dcp * shape.heads_per_rank,
+        "num_key_value_heads": dcp * shape.heads_per_rank,
+        "num_hidden_layers": 1,
+        "vocab_size": 128,
+        "max_position_embeddings": 4096,
+        "torch_dtype": str(shape.dtype).removeprefix("torch."),
+        "kv_lora_rank": shape.kv_lora_rank,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": shape.nope_dim,
+        "qk_rope_head_dim": shape.rope_dim,
+        "v_head_dim": shape.v_head_dim,
+    }
+    path = Path(tempfile.mkdtemp(prefix="vllm_dcp_geometry_mla_"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@dataclass
+class Batch:
+    """Float64 inputs for every position of every request, all D*h heads."""
+
+    shape: Shape
+    kv_c: list[torch.Tensor]  # per request [seq_len, kv_lora_rank]
+    k_pe: list[torch.Tensor]  # per request [seq_len, rope_dim]
+    q: torch.Tensor  # [num_tokens, D*h, nope_dim + rope_dim]
+    kv_b_weight: torch.Tensor  # [D*h*(nope_dim + v_head_dim), kv_lora_rank]
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[0]
+
+
+def make_batch(dcp: int, shard_count: int, seed: int, shape: Shape = CPU) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    heads = dcp * shape.heads_per_rank
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    kv_c = [rand(c + n, shape.kv_lora_rank) for c, n in shape.requests]
+    k_pe = [rand(c + n, shape.rope_dim) for c, n in shape.requests]
+    q = rand(sum(n for _, n in shape.requests), heads, shape.nope_dim + shape.rope_dim)
+    weight = rand(heads * (shape.nope_dim + shape.v_head_dim), shape.kv_lora_rank)
+    weight *= shape.kv_lora_rank**-0.5
+    blocks = torch.randperm(shape.num_blocks, generator=gen)
+    width = cdiv(shape.max_model_len, shape.block_size * shard_count)
+    rows = [blocks[i * width : (i + 1) * width] for i in range(len(shape.requests))]
+    return Batch(shape, kv_c, k_pe, q, weight, rows)
+
+
+def reference(batch: Batch) -> dict[str, torch.Tensor]:
+    """Float64 single-device MLA: per token the output [H*V], the LSE over
+    everything it sees [H], and the LSE over its request's context [H]
+    (``vllm_dcp_geometry.mla_rank_run.mla_reference``)."""
+    shape = batch.shape
+    return mla_reference(
+        batch.kv_c,
+        batch.k_pe,
+        batch.q,
+        batch.kv_b_weight,
+        shape.requests,
+        nope_dim=shape.nope_dim,
+        v_head_dim=shape.v_head_dim,
+        scale=shape.scale,
+    )
+
+
+# Ranks ----------------------------------------------------------------------------
+
+
+@contextmanager
+def process_groups(
+    dcp: SimulatedGroup, tp: SimulatedGroup | None = None
+) -> Iterator[None]:
+    """vLLM's DCP and TP groups as the given stand-ins (none exist here)."""
+    from vllm.distributed import parallel_state
+
+    saved = parallel_state._DCP, parallel_state._TP
+    parallel_state._DCP, parallel_state._TP = dcp, tp  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        parallel_state._DCP, parallel_state._TP = saved
+
+
+def mla_model_config(
+    path: Path,
+    dcp: int,
+    interleave: int,
+    shape: Shape = CPU,
+    comm_backend: str = "ag_rs",
+) -> Any:
+    """The shared test config for the MLA model at ``path`` in ``shape``."""
+    return make_vllm_config(
+        dcp,
+        interleave=interleave,
+        tp=dcp,
+        model_dir=path,
+        dtype=shape.dtype,
+        max_model_len=shape.max_model_len,
+        cache_block_size=shape.block_size,
+        max_num_seqs=shape.max_num_seqs,
+        dcp_comm_backend=comm_backend,
+    )
+
+
+def mla_spec(
+    shard_count: int | None, replicated: bool = False, shape: Shape = CPU
+) -> Any:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    # Unpatched vLLM (the baselines) has no dcp_kv_shard_count field.
+    extra: dict[str, Any] = {}
+    if shard_count is not None:
+        extra["dcp_kv_shard_count"] = shard_count
+    if replicated:
+        extra["dcp_sharded"] = False
+    return MLAAttentionSpec(
+        block_size=shape.block_size,
+        num_kv_heads=1,
+        head_size=shape.head_size,
+        dtype=shape.dtype,
+        **extra,
+    )
+
+
+@dataclass
+class Rank:
+    rank: int
+    interleave: int
+    layer: Any
+    builder: Any
+    kv_cache: torch.Tensor
+
+
+def make_layer(vllm_config: Any, batch: Batch, rank: int, backend: Any) -> Any:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (
+        CPUSDPAMLAPrefillBackend,
+    )
+
+    shape = batch.shape
+    prefill = CPUSDPAMLAPrefillBackend if shape.device == "cpu" else None
+    with set_current_vllm_config(vllm_config), torch.device(shape.device):
+        kv_b_proj = ColumnParallelLinear(
+            shape.kv_lora_rank,
+            batch.kv_b_weight.shape[0],
+            bias=False,
+            params_dtype=shape.dtype,
+            prefix=LAYER.replace("attn", "kv_b_proj"),
+        )
+        layer = MLAAttention(
+            num_heads=shape.heads_per_rank,
+            scale=shape.scale,
+            qk_nope_head_dim=shape.nope_dim,
+            qk_rope_head_dim=shape.rope_dim,
+            v_head_dim=shape.v_head_dim,
+            q_lora_rank=None,
+            kv_lora_rank=shape.kv_lora_rank,
+            kv_b_proj=kv_b_proj,
+            prefix=LAYER,
+            attn_backend=backend,
+            prefill_backend_cls=prefill,
+        )
+    rows = shape.heads_per_rank * (shape.nope_dim + shape.v_head_dim)
+    kv_b_proj.weight.data.copy_(batch.kv_b_weight[rank * rows : (rank + 1) * rows])
+    layer.process_weights_after_loading(shape.dtype)
+    return layer
+
+
+def write_cache(batch: Batch, shard_count: int, interleave: int, shard: int) -> Any:
+    """The rank's paged cache holding its shard of every request, written by
+    vLLM's KV-write op (stood in for on CPU) at the contract's slots - what
+    the plugin's block tables give the runner."""
+    import vllm._custom_ops as ops
+
+    shape = batch.shape
+    cache = torch.zeros(
+        shape.num_blocks,
+        shape.block_size,
+        shape.head_size,
+        dtype=shape.dtype,
+        device=shape.device,
+    )
+    for i, (context, new) in enumerate(shape.requests):
+        slots = reference_slot_mapping(
+            range(context + new),
+            batch.rows[i],
+            block_size=shape.block_size,
+            shard_count=shard_count,
+            interleave_size=interleave,
+            shard=shard,
+        )
+        ops.concat_and_cache_mla(
+            batch.kv_c[i].to(shape.device, shape.dtype),
+            batch.k_pe[i].to(shape.device, shape.dtype),
+            cache,
+            torch.as_tensor(slots, device=shape.device),
+            "auto",
+            torch.ones((), device=shape.device),
+        )
+    return cache
+
+
+def make_ranks(
+    batch: Batch,
+    dcp: int,
+    shard_count: int,
+    interleave: int,
+    *,
+    spec: Any,
+    backend_name: str = "TRITON_MLA",
+    coop: CooperativeRanks | None = None,
+    only: Sequence[int] | None = None,
+    configure: Callable[[Any], None] | None = None,
+    comm_backend: str = "ag_rs",
+) -> list[Rank]:
+    """One rank per DCP rank (or the ranks in ``only``), built as a worker
+    builds them (the builder through ``AttentionGroup.create_metadata_builders``).
+    ``configure`` may adjust each rank's ``VllmConfig`` before the builder."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.worker.utils import AttentionGroup
+
+    shape = batch.shape
+    backend = AttentionBackendEnum[backend_name].get_class()
+    path = model_dir(dcp, shape)
+    ranks = []
+    for r in range(dcp) if only is None else only:
+        group = SimulatedGroup(coop, dcp, r)
+        with process_groups(group, SimulatedGroup(coop, dcp, r)):
+            vllm_config = mla_model_config(path, dcp, interleave, shape, comm_backend)
+            layer = make_layer(vllm_config, batch, r, backend)
+            if configure is not None:
+                configure(vllm_config)
+            attn_group = AttentionGroup(backend, [LAYER], spec, 0)
+            attn_group.create_metadata_builders(vllm_config, torch.device(shape.device))
+        cache = write_cache(batch, shard_count, interleave, r % shard_count)
+        builder = attn_group.get_metadata_builder()
+        ranks.append(Rank(r, interleave, layer, builder, cache))
+    return ranks
+
+
+def common_metadata(batch: Batch, dcp: int, rank: int, interleave: int) -> Any:
+    """The runner's ``CommonAttentionMetadata``: its ``dcp_local_seq_lens`` are
+    vLLM's global (D, r) ones, as both model runners compute them."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    shape = batch.shape
+    seq_cpu = torch.tensor([c + n for c, n in shape.requests], dtype=torch.int32)
+    query = torch.tensor([n for _, n in shape.requests], dtype=torch.int32)
+    starts_cpu = torch.zeros(len(shape.requests) + 1, dtype=torch.int32)
+    starts_cpu[1:] = query.cumsum(0)
+    seq, starts = seq_cpu.to(shape.device), starts_cpu.to(shape.device)
+    return CommonAttentionMetadata(
+        query_start_loc=starts,
+        query_start_loc_cpu=starts_cpu,
+        seq_lens=seq,
+        num_reqs=len(shape.requests),
+        num_actual_tokens=batch.num_tokens,
+        max_query_len=int(query.max()),
+        max_seq_len=int(seq_cpu.max()),
+        block_table_tensor=torch.stack(batch.rows).to(shape.device, torch.int32),
+        slot_mapping=torch.zeros(
+            batch.num_tokens, dtype=torch.int64, device=seq.device
+        ),
+        dcp_local_seq_lens=get_dcp_local_seq_lens(seq, dcp, rank, interleave),
+        seq_lens_cpu_upper_bound=seq_cpu,
+    )
+
+
+# One forward --------------------------------------------------------------------
+
+
+@dataclass
+class RankResult:
+    out: torch.Tensor  # [tokens, h * V], this rank's heads
+    decode_lse: torch.Tensor | None  # [decode tokens, heads]: combined, or local
+    decode_lse_is_combined: bool  # over all D*h heads (else this rank's h)
+    context_lse: torch.Tensor | None  # [h, prefill tokens] merged with new tokens
+    metadata: Any
+
+
+@contextmanager
+def recording(
+    coop: CooperativeRanks, merge_owner: Any = None
+) -> Iterator[dict[int, dict[str, Any]]]:
+    """Record, per rank, the LSEs its attention hands on: the DCP combine's
+    and the prefill context's (``merge_attn_states`` as ``merge_owner``, by
+    default vLLM's MLA module, imported it)."""
+    from vllm.model_executor.layers.attention import mla_attention
+    from vllm.v1.attention.ops import dcp
+
+    records: dict[int, dict[str, Any]] = {}
+    owner = mla_attention if merge_owner is None else merge_owner
+
+    def mine() -> dict[str, Any]:
+        return records.setdefault(coop.local.rank, {})
+
+    correct, merge = dcp.correct_attn_out, owner.merge_attn_states
+
+    def correct_attn_out(*args: Any, **kwargs: Any) -> Any:
+        out, lse = correct(*args, **kwargs)
+        mine()["combined_lse"] = lse.clone()
+        return out, lse
+
+    def merge_attn_states(*args: Any, **kwargs: Any) -> Any:
+        mine()["context_lse"] = kwargs["prefix_lse"].clone()
+        return merge(*args, **kwargs)
+
+    with (
+        replaced(dcp, "correct_attn_out", correct_attn_out),
+        replaced(owner, "merge_attn_states", merge_attn_states),
+    ):
+        yield records
+
+
+def run_rank(
+    batch: Batch,
+    layer: Any,
+    rank: int,
+    records: dict[int, dict[str, Any]],
+    call: Callable[[torch.Tensor], None],
+) -> torch.Tensor:
+    """One rank's attention: ``call(output)`` with the layer's impl recording
+    the LSE its decode kernel returns; the rank's output."""
+    shape = batch.shape
+    local_forward_mqa = layer.impl.forward_mqa
+
+    def forward_mqa(*args: Any) -> Any:
+        out, lse = local_forward_mqa(*args)
+        records.setdefault(rank, {})["local_lse"] = lse
+        return out, lse
+
+    output = torch.zeros(
+        batch.num_tokens,
+        shape.heads_per_rank * shape.v_head_dim,
+        dtype=shape.dtype,
+        device=shape.device,
+    )
+    with replaced(layer.impl, "forward_mqa", forward_mqa):
+        call(output)
+    return output
+
+
+def forward_inputs(
+    batch: Batch, ranks: list[Rank]
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """The new tokens' latent and rope key (all requests), and every rank's
+    metadata from its builder's real ``build``."""
+    contexts = [c for c, _ in batch.shape.requests]
+    new_kv_c = torch.cat([kv[c:] for kv, c in zip(batch.kv_c, contexts, strict=True)])
+    new_k_pe = torch.cat([pe[c:] for pe, c in zip(batch.k_pe, contexts, strict=True)])
+    dcp = len(ranks)
+    metadata = [
+        rank.builder.build(0, common_metadata(batch, dcp, rank.rank, rank.interleave))
+        for rank in ranks
+    ]
+    return new_kv_c, new_k_pe, metadata
+
+
+def rank_results(
+    outputs: Sequence[torch.Tensor],
+    layers: Sequence[Any],
+    records: dict[int, dict[str, Any]],
+    metadata: Sequence[Any],
+) -> list[RankResult]:
+    """Every rank's output with the LSEs its attention handed on: the
+    combined decode LSE where the impl runs DCP (the all-to-all combine keeps
+    it to itself: None then), else the local one."""
+    results = []
+    for r, output in enumerate(outputs):
+        seen = records.get(r, {})
+        combined = layers[r].impl.dcp_world_size > 1
+        results.append(
+            RankResult(
+                out=output,
+                decode_lse=seen.get("combined_lse" if combined else "local_lse"),
+                decode_lse_is_combined=combined,
+                context_lse=seen.get("context_lse"),
+                metadata=metadata[r],
+            )
+        )
+    return results
+
+
+def forward(
+    batch: Batch, ranks: list[Rank], coop: CooperativeRanks
+) -> list[RankResult]:
+    """Every rank's ``MLAAttention.forward_impl`` over the batch."""
+    shape = batch.shape
+    new_kv_c, new_k_pe, metadata = forward_inputs(batch, ranks)
+
+    def on_device(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(shape.device, shape.dtype).contiguous()
+
+    def run(r: int) -> torch.Tensor:
+        h = shape.heads_per_rank
+        layer = ranks[r].layer
+
+        def call(output: torch.Tensor) -> None:
+            layer.forward_impl(
+                on_device(batch.q[:, r * h : (r + 1) * h]),
+                on_device(new_kv_c),
+                on_device(new_k_pe)[:, None, :],
+                ranks[r].kv_cache,
+                metadata[r],
+                output=output,
+            )
+
+        return run_rank(batch, layer, r, records, call)
+
+    with recording(coop) as records:
+        outputs = coop.run(run)
+    return rank_results(outputs, [rank.layer for rank in ranks], records, metadata)
+
+
+# One (D, K, I) case against the reference ------------------------------------------
+
+
+def evaluate(batch: Batch, results: list[RankResult]) -> dict[str, Any]:
+    """Every rank against the float64 single-device reference: max abs error
+    of the output (decode and prefill rows apart), the decode LSE (None where
+    the combine does not show it) and the prefill-context LSE."""
+    shape = batch.shape
+    expected = reference(batch)
+    rows = shape.decode_rows
+    h, v = shape.heads_per_rank, shape.v_head_dim
+    worst: dict[str, float | None] = dict.fromkeys(
+        ("decode_out", "prefill_out", "decode_lse", "context_lse"), 0.0
+    )
+    for r, result in enumerate(results):
+        own = slice(r * h, (r + 1) * h)
+        error = (
+            result.out.double().cpu() - expected["out"][:, r * h * v : (r + 1) * h * v]
+        ).abs()
+        heads = slice(None) if result.decode_lse_is_combined else own
+        assert result.context_lse is not None
+        errors: dict[str, float | None] = {
+            "decode_out": error[:rows].max().item(),
+            "prefill_out": error[rows:].max().item(),
+            "decode_lse": None
+            if result.decode_lse is None
+            else max_error(result.decode_lse[:rows], expected["lse"][:rows, heads]),
+            "context_lse": max_error(
+                result.context_lse.T, expected["context_lse"][rows:, own]
+            ),
+        }
+        for key, value in errors.items():
+            seen = worst[key]
+            worst[key] = None if value is None or seen is None else max(seen, value)
+    return worst
+
+
+def run_case(
+    dcp: int,
+    shard_count: int,
+    interleave: int,
+    *,
+    patched: bool,
+    shape: Shape = CPU,
+    backend_name: str = "TRITON_MLA",
+    comm_backend: str = "ag_rs",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Build the ranks of one (D, K, I) case, run one forward, evaluate it.
+
+    ``patched`` says whether the plugin is registered in this process: the
+    spec then carries K; unpatched vLLM gets its own sharded MLA spec, while
+    the caches hold K shards as the plugin's block tables write them. On CPU
+    the ``cpu_shims`` stand in for what a CPU lacks; on a GPU only the
+    collectives are simulated.
+    """
+    explicit = patched and shard_count != dcp
+    batch = make_batch(dcp, shard_count, seed + 97 * dcp + 7 * shard_count, shape)
+    coop = CooperativeRanks(dcp)
+    setup = cpu_shims() if shape.device == "cpu" else simulated_collectives()
+    with setup:
+        ranks = make_ranks(
+            batch,
+            dcp,
+            shard_count,
+            interleave,
+            spec=mla_spec(shard_count if explicit else None, shape=shape),
+            backend_name=backend_name,
+            coop=coop,
+            comm_backend=comm_backend,
+        )
+        results = forward(batch, ranks, coop)
+    report = evaluate(batch, results)
+    report["chunks"] = [
+        len(result.metadata.prefill.chunked_context.chunks) for result in results
+    ]
+    report["decode_seq_lens"] = [
+        result.metadata.decode.seq_lens.tolist() for result in results
+    ]
+    return report

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""DeepSeek-V3.2 sparse attention over a K-shard latent and indexer cache, end
+to end on D simulated ranks (``tests.support.sparse_mla.run_sparse_case``).
+
+Per rank, every step vLLM's own code where it runs on CPU: the indexer call
+through the plugin's DeepSeek-V3.2 call wrapper (around a stand-in of the
+CUDA-only indexer op that scores the rank's own shard), vLLM's top-k merge
+(patched; real pack kernel, D-rank all-gather, CuteDSL selector stood in),
+then the layer's DCP steps: the query all-gather where the impl's world is
+> 1, the impl's ``forward_mqa`` as bound by ``layer_binding.bind_group_layers``
+(upstream's ``SparseMLACommonImpl.forward_mqa``: vLLM's
+``triton_filter_and_convert_dcp_index`` in the shard world ``(K, r % K)``
+that ``ShardWorldForwardMqa`` gives it, or the plain conversion at K = 1),
+vLLM's Triton sparse MLA kernel over the rank's own paged cache (K
+geometry, every unowned slot NaN) with its output stored in fp32 (generated
+from the installed kernel, only the store changed), and the layer's
+``MLADCPManager`` combine (``cp_lse_ag_out_rs``, the real
+``correct_attn_out``), replica-masked by ``impl_binding.mask_combine``.
+K = 1 runs local: no query gather, no merge, no combine.
+
+Every rank is held to the same kernel on one device over the whole cache
+(<= 1e-5) and to float64 sparse attention (<= 1e-5, the kernel's own
+single-device error is about 1e-6); output and LSE. Negative controls: the
+unwrapped merge selects ids twice, the unmasked combine shifts the LSE by
+ln(D/K).
+
+About 30 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.support.sparse_mla import (
+    CPU_SPARSE,
+    FP32_TOLERANCE,
+    LATENT_DIM,
+    SCALE,
+    evaluate_sparse_case,
+    has_repeated_ids,
+    run_sparse_case,
+    sparse_attention,
+)
+from tests.support.sweeps import divisors
+
+pytestmark = pytest.mark.patches(
+    "worker.sparse_attn_indexer",
+    "worker.deepseek_v32_attention",
+    "common.kv_cache_interface",
+)
+
+B = CPU_SPARSE.block_size
+GRID = [
+    (dcp, k, interleave)
+    for dcp in (2, 4)
+    for k in divisors(dcp)
+    for interleave in (1, B)
+]
+
+
+def _seed(dcp: int, k: int, interleave: int) -> int:
+    return 100 * dcp + 10 * k + interleave
+
+
+@pytest.mark.parametrize(("dcp", "k", "interleave"), GRID)
+def test_sparse_attention_on_every_rank_is_single_device(
+    dcp: int, k: int, interleave: int
+) -> None:
+    report = run_sparse_case(dcp, k, interleave, seed=_seed(dcp, k, interleave))
+    worst = evaluate_sparse_case(report, k)
+    assert all(worst["selections_ok"]), worst
+    assert worst["single_f64"] <= FP32_TOLERANCE, worst
+    for key in ("out_single", "out_f64", "lse_f64"):
+        assert worst[key] <= FP32_TOLERANCE, (key, worst)
+    # What the layer and the indexer op were handed: the impl's world (1 for
+    # a local group, D otherwise) and the indexer's shard world (K, r % K).
+    partial = 1 < k < dcp
+    for r, result in enumerate(report["ranks"]):
+        assert result.impl_world == (1 if k == 1 else dcp)
+        call = report["indexer_calls"][r]
+        assert (call.dcp_world_size, call.dcp_rank) == (k, r % k)
+        assert (call.indexer_geometry is not None) == partial
+        if partial:
+            assert call.indexer_geometry.shard_world == (k, r % k)
+    assert sorted(report["selector_calls"]) == ([] if k == 1 else list(range(dcp)))
+
+
+def test_the_unwrapped_merge_gives_a_wrong_output() -> None:
+    """vLLM's own merge on a partial indexer cache (D=4, K=2): both replicas
+    of each shard send their candidates, repeated ids displace real tokens,
+    the attention reads the wrong tokens."""
+    report = run_sparse_case(4, 2, 1, seed=_seed(4, 2, 1), mask_merge=False)
+    worst = evaluate_sparse_case(report, 2)
+    assert not any(worst["selections_ok"]), worst
+    assert all(has_repeated_ids(result.selection) for result in report["ranks"])
+    assert worst["out_single"] > 1e-2 and worst["out_f64"] > 1e-2, worst
+
+
+@pytest.mark.parametrize(("dcp", "k"), [(4, 2), (4, 1)])
+def test_the_unmasked_combine_counts_replicas(dcp: int, k: int) -> None:
+    """D=4, K=2 with the layer's combine unmasked: the selection and output
+    stay right (the replicas hold identical partials) but the combined LSE
+    counts each shard D/K times, ln(D/K) too high. K=1 combines nothing."""
+    report = run_sparse_case(dcp, k, 1, seed=_seed(dcp, k, 1), mask_combine=False)
+    worst = evaluate_sparse_case(report, k)
+    assert all(worst["selections_ok"]), worst
+    assert worst["out_single"] <= FP32_TOLERANCE, worst
+    if k == 1:
+        assert worst["lse_f64"] <= FP32_TOLERANCE, worst
+        return
+    assert worst["lse_f64"] > FP32_TOLERANCE
+    assert abs(worst["lse_f64"] - math.log(dcp / k)) <= FP32_TOLERANCE, worst
+    for r in range(dcp):
+        lse = report["combined_lse"][r].double()
+        shift = lse - report["single"]["ref_lse"]
+        assert torch.allclose(
+            shift, torch.full_like(shift, math.log(dcp / k)), atol=1e-5
+        )
+
+
+def test_the_fp32_store_kernel_differs_from_vllms_only_in_the_store() -> None:
+    """The generated kernel's output rounded to bf16 is vLLM's kernel's
+    output (the Triton interpreter rounds toward zero) and its LSE is
+    vLLM's, bit for bit: the same kernel, only the store kept in fp32."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, rows, topk = 3, 20, 100, 32
+    q = torch.randn(tokens, heads, LATENT_DIM, generator=gen)
+    kv = torch.randn(rows, LATENT_DIM, generator=gen)
+    indices = torch.stack(
+        [torch.randperm(rows, generator=gen)[:topk] for _ in range(tokens)]
+    ).to(torch.int32)
+    indices[0, 7:] = -1
+    indices[1, :16] = -1  # a first tile of padding only
+    fp32_out, fp32_lse = sparse_attention(q, kv, indices, SCALE)
+    out, lse = sparse_attention(q, kv, indices, SCALE, fp32_store=False)
+    assert torch.equal(lse, fp32_lse)
+    truncated = (fp32_out.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    assert torch.equal(out, truncated)
+    assert not torch.equal(out, fp32_out)

@@ -1,0 +1,315 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""DeepSeek-V3.2's sparse builders on every rank follow their group's K, on CPU.
+
+The real ``DeepseekV32IndexerMetadataBuilder`` and
+``FlashMLASparseMetadataBuilder`` (a ``SparseMLACommonMetadataBuilder``),
+made by ``AttentionGroup.create_metadata_builders`` from a real
+``VllmConfig`` of a tiny DeepSeek-V3.2 (D=4, TP=4, an ``fp8_ds_mla`` latent
+cache), with the DCP group stood in for and shells of the model's
+``DeepseekV32Attention`` (impl, real ``MLADCPManager``) and
+``DeepseekV32IndexerCache`` in the forward context under the names the model
+gives them.
+
+- Indexer: K < D takes the shard world ``(K, r % K)`` (the draft-metadata
+  update only at K = 1) and binds the indexer cache; K = D is upstream's
+  constructor exactly. ``build()`` localises decode lengths and the prefill
+  chunks' per-query bounds with ``(K, r % K)``: the contract's local lengths
+  on every rank.
+- Sparse latent (FLASHMLA_SPARSE): K = 1 is vLLM's DCP1 builder (world 1, no
+  DCP manager, an N-row workspace; built where upstream's DCP limits refuse
+  the head count, since nothing is gathered), 1 < K < D keeps D and binds the
+  layer (shard-world ``forward_mqa``, replica-masked combine), K = D is
+  upstream's.
+
+About 5 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.mla import cpu_shims
+from tests.support.sparse_mla import (
+    INDEXER_LAYER,
+    LATENT_LAYER,
+    build_group_builder,
+    dsv32_config,
+    indexer_spec,
+    install_sparse_layers,
+    latent_spec,
+    rank_process,
+)
+from vllm_dcp_geometry._patching import original_of
+from vllm_dcp_geometry.contract import local_seq_len
+from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
+from vllm_dcp_geometry.mla_geometry import ShardWorldForwardMqa
+
+pytestmark = pytest.mark.patches(
+    "worker.mla_indexer",
+    "worker.sparse_mla_attention",
+    "worker.flashmla_sparse",
+    "worker.deepseek_v32_attention",
+    "common.kv_cache_interface",
+)
+
+D = 4
+B = 64  # fp8_ds_mla pages hold 64 tokens
+# (context, new tokens): two decodes, then a chunked prefill and a fresh one.
+REQUESTS = [(36, 1), (130, 1), (45, 6), (0, 9)]
+NUM_DECODES = 2
+
+
+def _indexer_backend() -> type:
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
+
+    return DeepseekV32IndexerBackend
+
+
+def _flashmla_sparse_backend() -> type:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum["FLASHMLA_SPARSE"].get_class()
+
+
+def _spec_count(k: int) -> int | None:
+    return None if k == D else k
+
+
+def _build(
+    vllm_config: Any, rank: int, backend: type, name: str, spec: Any, dcp: int = D
+) -> tuple[Any, dict[str, Any]]:
+    """Rank ``rank``'s builder for the group of ``name``, its layers fresh."""
+    with rank_process(vllm_config, dcp, rank):
+        layers = install_sparse_layers(vllm_config, 4, 64)
+        return build_group_builder(backend, name, spec, vllm_config), layers
+
+
+def _upstream_builder(builder: Any, spec: Any, name: str, vllm_config: Any, **kw: Any):
+    """The same builder class constructed by vLLM's own constructor."""
+    cls = type(builder)
+    other = cls.__new__(cls)
+    original_of(cls.__init__)(
+        other, spec, [name], vllm_config, torch.device("cpu"), **kw
+    )
+    return other
+
+
+def _common_metadata(vllm_config: Any, rank: int) -> Any:
+    """The runner's ``CommonAttentionMetadata``, its ``dcp_local_seq_lens``
+    vLLM's global (D, r) ones as both runners compute them."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    seq = torch.tensor([c + n for c, n in REQUESTS], dtype=torch.int32)
+    query = torch.tensor([n for _, n in REQUESTS], dtype=torch.int32)
+    starts = torch.zeros(len(REQUESTS) + 1, dtype=torch.int32)
+    starts[1:] = query.cumsum(0)
+    tokens = int(query.sum())
+    interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
+    return CommonAttentionMetadata(
+        query_start_loc=starts,
+        query_start_loc_cpu=starts.clone(),
+        seq_lens=seq,
+        num_reqs=len(REQUESTS),
+        num_actual_tokens=tokens,
+        max_query_len=int(query.max()),
+        max_seq_len=int(seq.max()),
+        block_table_tensor=torch.arange(len(REQUESTS) * 8, dtype=torch.int32).view(
+            len(REQUESTS), 8
+        ),
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64),
+        dcp_local_seq_lens=get_dcp_local_seq_lens(seq, D, rank, interleave),
+        seq_lens_cpu_upper_bound=seq.clone(),
+    )
+
+
+# The indexer builder ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_indexer_builder_takes_the_shard_world(k: int) -> None:
+    vllm_config = dsv32_config(D, 1)
+    spec = indexer_spec(B, _spec_count(k))
+    with cpu_shims():
+        for rank in range(D):
+            builder, layers = _build(
+                vllm_config, rank, _indexer_backend(), INDEXER_LAYER, spec
+            )
+            shard = rank % k
+            cache = layers[INDEXER_LAYER]
+            assert (builder.dcp_world_size, builder.dcp_rank) == (k, shard)
+            assert builder.dcp_rank_tensor.item() == builder.dcp_rank
+            assert builder.supports_draft_decode_metadata_update is (k == 1)
+            if k == D:
+                with rank_process(vllm_config, D, rank):
+                    upstream = _upstream_builder(
+                        builder,
+                        spec,
+                        INDEXER_LAYER,
+                        vllm_config,
+                        block_table_width=builder.expanded_block_table_buffer.shape[1],
+                    )
+                for attr in (
+                    "dcp_world_size",
+                    "dcp_rank",
+                    "supports_draft_decode_metadata_update",
+                    "compressed_cp_interleave_size",
+                    "cp_kv_cache_interleave_size",
+                ):
+                    assert getattr(builder, attr) == getattr(upstream, attr), attr
+                assert torch.equal(builder.dcp_rank_tensor, upstream.dcp_rank_tensor)
+                assert not hasattr(builder, BOUND_GEOMETRY_ATTR)
+                assert not hasattr(cache, BOUND_GEOMETRY_ATTR)
+            else:
+                geometry = getattr(builder, BOUND_GEOMETRY_ATTR)
+                assert geometry.shard_world == (k, shard) and geometry.dcp_rank == rank
+                assert getattr(cache, BOUND_GEOMETRY_ATTR).shard_world == (k, shard)
+
+
+@pytest.mark.parametrize("interleave", [1, B])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_indexer_build_gives_the_contract_local_lengths(
+    k: int, interleave: int
+) -> None:
+    """Decode ``seq_lens`` and every prefill chunk's ``local_cu_seq_lens`` and
+    per-query ``[cu_seqlen_ks, cu_seqlen_ke)`` are the contract's local
+    lengths of shard ``r % K``; the merge trigger stays set for K > 1."""
+    vllm_config = dsv32_config(D, interleave)
+    spec = indexer_spec(B, _spec_count(k))
+
+    def local(length: int, shard: int) -> int:
+        return local_seq_len(length, B, k, interleave, shard)
+
+    with cpu_shims():
+        for rank in range(D):
+            shard = rank % k
+            builder, _ = _build(
+                vllm_config, rank, _indexer_backend(), INDEXER_LAYER, spec
+            )
+            with rank_process(vllm_config, D, rank):
+                metadata = builder.build(0, _common_metadata(vllm_config, rank))
+            decode = metadata.decode
+            assert metadata.num_decodes == NUM_DECODES
+            want = [local(c + n, shard) for c, n in REQUESTS[:NUM_DECODES]]
+            assert decode.seq_lens.flatten()[:NUM_DECODES].tolist() == want, rank
+            if k > 1:
+                assert decode.global_seq_lens is not None
+            prefills = REQUESTS[NUM_DECODES:]
+            lens = [local(c + n, shard) for c, n in prefills]
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            starts, ends = [], []
+            for i, (context, new) in enumerate(prefills):
+                for j in range(new):
+                    starts.append(cu[i])
+                    ends.append(cu[i] + local(context + j + 1, shard))
+            assert metadata.prefill is not None and len(metadata.prefill.chunks) == 1
+            chunk = metadata.prefill.chunks[0]
+            assert chunk.local_cu_seq_lens.tolist() == cu, rank
+            assert chunk.cu_seqlen_ks.tolist() == starts, rank
+            assert chunk.cu_seqlen_ke.tolist() == ends, rank
+
+
+# The sparse latent builder ------------------------------------------------------------
+
+
+def _workspace_facts(builder: Any) -> dict[str, Any]:
+    return {
+        "dcp_world_size": builder.dcp_world_size,
+        "workspace_rows": builder.chunked_prefill_workspace.shape[0],
+        "workspace_size": builder.chunked_prefill_workspace_size,
+        "dcp_virtual_block_size": builder.dcp_virtual_block_size,
+        "num_heads": builder.num_heads,
+        "fp8_decode_padded_heads": builder.fp8_decode_padded_heads,
+        "fp8_use_mixed_batch": builder.fp8_use_mixed_batch,
+        "reorder_batch_threshold": builder.reorder_batch_threshold,
+        "has_dcp_manager": builder.dcp_manager is not None,
+    }
+
+
+def test_replicated_sparse_latent_builder_is_the_dcp1_builder() -> None:
+    """K = 1 at D = 4 builds what the same model at DCP 1 builds: world 1,
+    no DCP manager, an N-row workspace; the impl runs local."""
+    dcp1 = dsv32_config(1, 1)
+    with cpu_shims():
+        want, _ = _build(
+            dcp1, 0, _flashmla_sparse_backend(), LATENT_LAYER, latent_spec(B, None), 1
+        )
+        vllm_config = dsv32_config(D, 1)
+        for rank in range(D):
+            builder, layers = _build(
+                vllm_config,
+                rank,
+                _flashmla_sparse_backend(),
+                LATENT_LAYER,
+                latent_spec(B, 1),
+            )
+            assert _workspace_facts(builder) == _workspace_facts(want)
+            assert builder.dcp_manager is None
+            impl = layers[LATENT_LAYER].impl
+            assert (impl.dcp_world_size, impl.dcp_rank) == (1, 0)
+            assert isinstance(impl.forward_mqa, ShardWorldForwardMqa)
+            assert getattr(builder, BOUND_GEOMETRY_ATTR).shard_world == (1, 0)
+
+
+def test_replicated_sparse_latent_builder_is_not_refused_for_gathered_heads() -> None:
+    """32 heads per rank: upstream's FlashMLA sparse builder refuses DCP (the
+    D-gathered query misses the fp8 mixed-batch path); a K = 1 group gathers
+    nothing and builds."""
+    vllm_config = dsv32_config(D, 1, heads_per_rank=32)
+    with cpu_shims():
+        builder, _ = _build(
+            vllm_config, 1, _flashmla_sparse_backend(), LATENT_LAYER, latent_spec(B, 1)
+        )
+        assert builder.dcp_world_size == 1 and builder.num_heads == 32
+        with pytest.raises(NotImplementedError, match="mixed-batch fp8 path"):
+            _build(
+                vllm_config,
+                1,
+                _flashmla_sparse_backend(),
+                LATENT_LAYER,
+                latent_spec(B, None),
+            )
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_sharded_sparse_latent_builders_keep_d(k: int) -> None:
+    """1 < K < D keeps upstream's D-wide builder (query gather, combine,
+    N + N/D workspace) and binds the layer; K = D is upstream's builder and
+    binds nothing."""
+    vllm_config = dsv32_config(D, 1)
+    spec = latent_spec(B, _spec_count(k))
+    with cpu_shims():
+        for rank in range(D):
+            builder, layers = _build(
+                vllm_config, rank, _flashmla_sparse_backend(), LATENT_LAYER, spec
+            )
+            layer = layers[LATENT_LAYER]
+            facts = _workspace_facts(builder)
+            assert (
+                facts["dcp_world_size"] == D
+                and builder.dcp_manager is layer.dcp_manager
+            )
+            assert facts["workspace_rows"] == facts["workspace_size"] * (D + 1) // D
+            if k == D:
+                with rank_process(vllm_config, D, rank):
+                    upstream = _upstream_builder(
+                        builder, spec, LATENT_LAYER, vllm_config
+                    )
+                assert _workspace_facts(upstream) == facts
+                assert not hasattr(builder, BOUND_GEOMETRY_ATTR)
+                assert not isinstance(layer.impl.forward_mqa, ShardWorldForwardMqa)
+                assert not isinstance(layer.dcp_manager.combine, ReplicaMaskedCombine)
+                continue
+            assert getattr(builder, BOUND_GEOMETRY_ATTR).shard_world == (k, rank % k)
+            assert layer.impl.dcp_world_size == D
+            assert isinstance(layer.impl.forward_mqa, ShardWorldForwardMqa)
+            combine = layer.dcp_manager.combine
+            assert isinstance(combine, ReplicaMaskedCombine)
+            assert combine.replica == rank // k

@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""What a run of vLLM's MLA attention across DCP ranks needs outside vLLM.
+
+- torch stand-ins for the ``vllm._C`` cache ops a CPU build lacks
+  (``concat_and_cache_mla``: the KV-cache write; ``cp_gather_cache`` and
+  ``gather_and_maybe_dequant_cache``: the context gathers), each checked
+  against the contract's slot mapping by the suite;
+- ``mla_reference``: float64 single-device MLA attention, what every rank's
+  output and LSE are held to, and ``max_error``;
+- the collective traffic model: the bytes one rank sends and receives in one
+  collective (``collective_bytes``) and, from it, what vLLM 0.33.0's D-wide
+  MLA decode step moves per rank (``mla_decode_step_bytes``).
+
+Used by ``vllm-dcp-geometry ranks`` (in its worker processes) and by the test
+suite's simulated ranks (``tests.support.mla``). torch is imported inside the
+functions only: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# Stand-ins for the vllm._C cache ops -------------------------------------------
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, *a):
+    """``vllm._C`` KV write: row ``slot`` of the flattened paged cache gets
+    ``[kv_c, k_pe]``; ``PAD_SLOT_ID`` (< 0) writes nothing."""
+    import torch
+
+    assert kv_cache_dtype == "auto"
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    mine = slot_mapping >= 0
+    rows = torch.cat([kv_c, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
+    flat[slot_mapping[mine].long()] = rows[mine].to(flat.dtype)
+
+
+def _gather_rows(src_cache, block_row, start: int, count: int) -> Any:
+    import torch
+
+    tokens = torch.arange(start, start + count)
+    blocks = block_row[tokens // src_cache.shape[1]].long()
+    return src_cache[blocks, tokens % src_cache.shape[1]]
+
+
+def cp_gather_cache(
+    src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts=None
+):
+    """``vllm._C`` gather: ``dst[cu[b] + i] = cache[token starts[b] + i of
+    request b]``, tokens numbered in the rank's own (local) order."""
+    for b in range(batch_size):
+        lo, hi = int(cu_seq_lens[b]), int(cu_seq_lens[b + 1])
+        start = 0 if seq_starts is None else int(seq_starts[b])
+        dst[lo:hi] = _gather_rows(src_cache, block_table[b], start, hi - lo)
+
+
+def gather_and_maybe_dequant_cache(
+    src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
+    kv_cache_dtype, scale, seq_starts=None,
+):  # fmt: skip
+    """``vllm._C`` gather of the DCP1 context path; its kernel takes chunk
+    starts in whole blocks, so an unaligned start is an error here too."""
+    assert kv_cache_dtype == "auto"
+    for b in range(cu_seq_lens.shape[0] - 1):
+        lo, hi = int(cu_seq_lens[b]), min(int(cu_seq_lens[b + 1]), num_tokens)
+        start = 0 if seq_starts is None else int(seq_starts[b])
+        assert start % src_cache.shape[1] == 0, "unaligned chunk start"
+        if hi > lo:
+            dst[lo:hi] = _gather_rows(src_cache, block_table[b], start, hi - lo)
+
+
+STAND_IN_OPS = (
+    "concat_and_cache_mla",
+    "cp_gather_cache",
+    "gather_and_maybe_dequant_cache",
+)
+"""The ``vllm._custom_ops`` functions the stand-ins above replace on CPU."""
+
+
+# The float64 reference -----------------------------------------------------------
+
+
+def mla_reference(
+    kv_c: Sequence[Any],
+    k_pe: Sequence[Any],
+    q: Any,
+    kv_b_weight: Any,
+    requests: Sequence[tuple[int, int]],
+    *,
+    nope_dim: int,
+    v_head_dim: int,
+    scale: float,
+) -> dict[str, Any]:
+    """Float64 single-device MLA over ``requests`` (``(context, new)``): per
+    new token the output [H*V], the LSE over everything it sees [H], and the
+    LSE over its request's context [H]. ``kv_c``/``k_pe``: per request, every
+    position's latent and rope key; ``q``: [tokens, H, nope + rope]."""
+    import torch
+
+    heads = q.shape[1]
+    outs, lses, context_lses, t = [], [], [], 0
+    for i, (context, new) in enumerate(requests):
+        kv = kv_c[i] @ kv_b_weight.T
+        kv = kv.view(-1, heads, nope_dim + v_head_dim)
+        k_nope, v = kv.split([nope_dim, v_head_dim], dim=-1)
+        rope = k_pe[i][:, None, :].expand(-1, heads, -1)
+        k = torch.cat([k_nope, rope], dim=-1)
+        for j in range(new):
+            seen = context + j + 1
+            scores = torch.einsum("hd,shd->hs", q[t], k[:seen]) * scale
+            outs.append(torch.einsum("hs,shv->hv", scores.softmax(-1), v[:seen]))
+            lses.append(scores.logsumexp(-1))
+            context_lses.append(scores[:, :context].logsumexp(-1))
+            t += 1
+    return {
+        "out": torch.stack(outs).flatten(1),
+        "lse": torch.stack(lses),
+        "context_lse": torch.stack(context_lses),
+    }
+
+
+def max_error(got: Any, want: Any) -> float:
+    """Max |got - want| where both are finite; inf where they disagree on
+    which entries are infinite (an empty shard or context must stay -inf)."""
+    import torch
+
+    got, want = got.double().cpu(), want.double().cpu()
+    if not torch.equal(torch.isinf(got), torch.isinf(want)):
+        return float("inf")
+    finite = torch.isfinite(want)
+    if not finite.any():
+        return 0.0
+    return float((got[finite] - want[finite]).abs().max().item())
+
+
+# Collective traffic --------------------------------------------------------------
+
+COLLECTIVES = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+)
+"""The collectives ``collective_bytes`` models."""
+
+
+def collective_bytes(op: str, world_size: int, input_bytes: int) -> int:
+    """Bytes one rank sends plus receives in one ``op`` over ``world_size``
+    ranks, given the bytes of its input (ring algorithms, as NCCL and gloo
+    run them; a one-rank group moves nothing):
+
+    - ``all_gather`` / ``all_gather_into_tensor`` of n bytes per rank: the rank
+      sends and receives (W - 1) * n, so 2 (W - 1) n;
+    - ``reduce_scatter`` of N bytes (each rank keeps N / W) and
+      ``all_to_all_single`` of N bytes: (W - 1) N / W each way, 2 (W - 1) N / W;
+    - ``all_reduce`` of N bytes (a reduce-scatter then an all-gather):
+      4 (W - 1) N / W.
+    """
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}; one of {COLLECTIVES}")
+    w = world_size
+    if w <= 1:
+        return 0
+    if op in ("all_gather", "all_gather_into_tensor"):
+        return 2 * (w - 1) * input_bytes
+    if input_bytes % w:
+        raise ValueError(f"{op} of {input_bytes} bytes does not split over {w} ranks")
+    share = input_bytes // w
+    if op == "all_reduce":
+        return 4 * (w - 1) * share
+    return 2 * (w - 1) * share
+
+
+def mla_decode_step_bytes(
+    world_size: int,
+    *,
+    tokens: int,
+    heads_per_rank: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    dtype_bytes: int,
+    lse_bytes: int = 4,
+) -> int:
+    """Bytes one rank sends plus receives through the DCP group of
+    ``world_size`` ranks in one MLA decode step of ``tokens`` decode tokens
+    on vLLM 0.33.0's all-gather/reduce-scatter path (``dcp_comm_backend``
+    ``ag_rs``), as ``collective_bytes`` counts them:
+
+    - the query all-gather: each rank's [T, h, L + R] latent queries;
+    - the LSE all-gather of the combine: each rank's [T, W h] float32 LSEs;
+    - the output reduce-scatter: [T, W h, L] partial outputs, each rank
+      keeping [T, h, L].
+
+    Total 2 (W - 1) T (h (L + R) e + W h l + h L e) for element size e and
+    LSE size l; 0 for W = 1 (local attention). A partial group on vLLM's
+    D-wide group moves the same as a sharded one: W = D.
+    """
+    t, h, w = tokens, heads_per_rank, world_size
+    query = t * h * (kv_lora_rank + rope_dim) * dtype_bytes
+    lse = t * w * h * lse_bytes
+    partial_out = t * w * h * kv_lora_rank * dtype_bytes
+    return (
+        collective_bytes("all_gather", w, query)
+        + collective_bytes("all_gather", w, lse)
+        + collective_bytes("reduce_scatter", w, partial_out)
+    )

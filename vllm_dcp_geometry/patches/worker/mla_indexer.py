@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.v1.attention.backends.mla.indexer``: the DSA indexer's
+metadata follows its cache's K.
+
+What: wraps ``DeepseekV32IndexerMetadataBuilder.__init__`` with the one
+taught-builder constructor (``metadata_builders.builder_init``). For an
+indexer cache with K < D, after upstream's constructor the builder's DCP
+world is the cache's shard world: ``dcp_world_size = K``, ``dcp_rank =
+r % K`` (and its device copy), and the draft-metadata update allowed only
+at K = 1 (upstream: only at DCP 1). Everything the builder derives per step
+then follows the cache: decode lengths localised with
+``get_dcp_local_seq_lens(seq, K, s, I)`` (an identity at K = 1), the prefill
+chunks' per-query local bounds from ``build_prefill_chunk_metadata(...,
+dcp_rank=s, dcp_world_size=K)``. The indexer cache layers are then bound
+(their attention layer's indexer call takes the same shard world; see
+``patches.worker.deepseek_v32_attention``).
+
+Why: the builder takes D from the parallel config and r from the DCP group,
+whatever the indexer cache's spec says.
+
+Hand-back: D == 1, or vLLM's own K = D, runs upstream untouched. Compressed
+indexer caches (``tokens_per_state > 1``: DeepSeek-V4, GLM-5.3-Flash's kpool)
+are refused for K < D: their DCP interleave is in compressed states.
+
+Remove when: the indexer builder takes a per-group DCP shard count.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.metadata_builders import BuilderTeaching, builder_init
+
+UPSTREAM_MODULE = "vllm.v1.attention.backends.mla.indexer"
+RUNS_IN = "worker"
+WHY = (
+    "The DSA indexer builder takes D from the parallel config and r from the "
+    "DCP group; a replicated or partial indexer cache needs (K, r % K)."
+)
+REMOVE_WHEN = "the DSA indexer builder takes a per-group DCP shard count"
+RELATED = "none upstream: the indexer builder reads the parallel config"
+
+_M = UPSTREAM_MODULE
+REPLACES: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(
+        _M,
+        "DeepseekV32IndexerMetadataBuilder.__init__",
+        "self, *args, block_table_width, **kwargs",
+    ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
+    # Relied on: every per-step use of the DCP world reads these attributes.
+    UpstreamSymbol(
+        _M,
+        "DeepseekV32IndexerMetadataBuilder._dcp_localize_decode_seq_lens",
+        "self, seq_lens, num_decodes, seq_lens_is_buffer_view",
+    ),
+    UpstreamSymbol(
+        _M,
+        "DeepseekV32IndexerMetadataBuilder.build",
+        "self, common_prefix_len, common_attn_metadata, fast_build=",
+    ),
+)
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ()
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
+
+
+def _take_shard_world(
+    builder: Any, geometry: GroupGeometry, vllm_config: Any, device: Any
+) -> None:
+    import torch
+
+    if builder.compress_ratio != 1:
+        raise DcpGeometryError(
+            f"{geometry.describe()}: the indexer cache is compressed "
+            f"(tokens_per_state={builder.compress_ratio}); its DCP interleave "
+            "is in compressed states, which only vLLM's own K=D runs; use K=D"
+        )
+    shard_count, shard = geometry.shard_world
+    builder.dcp_world_size = shard_count
+    builder.dcp_rank = shard
+    builder.dcp_rank_tensor = torch.tensor(shard, dtype=torch.int32, device=device)
+    builder.compressed_cp_interleave_size = builder.cp_kv_cache_interleave_size
+    builder.supports_draft_decode_metadata_update = shard_count == 1
+
+
+BUILDER_TEACHING = BuilderTeaching(
+    mla=True,
+    construct_in_group=lambda geometry: False,
+    finish=_take_shard_world,
+)
+
+
+def apply(module: ModuleType) -> None:
+    wrap(
+        module.DeepseekV32IndexerMetadataBuilder,
+        "__init__",
+        builder_init(BUILDER_TEACHING),
+    )

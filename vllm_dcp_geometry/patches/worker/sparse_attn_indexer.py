@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.model_executor.layers.sparse_attn_indexer``: the DSA top-k
+merge counts each shard of a partial indexer cache once.
+
+What: wraps ``_merge_dcp_topk_global`` (the indexer op looks it up as a
+module global at call time, so the registered custom op is covered too).
+While ``group_context.use_indexer_geometry`` names a partial indexer cache
+(1 < K < D; set by ``patches.worker.deepseek_v32_attention`` around the
+layer's indexer call, which then passes the shard world ``(K, r % K)``), a
+duplicate replica (``q = r // K != 0``) sends no candidates: its local top-k
+becomes id -1, which the merge packs as padding (key 0, never selected).
+The D-rank all-gather then holds every shard's local top-k exactly once and
+the stable top-k over it equals the single-device top-k over the whole
+sequence (a token in the global top-k is in its shard's local top-k), on
+every rank, with upstream's tie order (contract rule A5).
+
+Why: upstream gathers over all D ranks; with D/K identical replicas each
+shard's candidates arrive D/K times and duplicates displace real tokens.
+
+Hand-back: outside such a call (K = D, K = 1 passes world 1 and never
+merges, D == 1) upstream runs untouched.
+
+Remove with: ``patches.worker.deepseek_v32_attention`` (the writer of the
+channel). Remove when: the merge takes a replica group or index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.group_context import current_indexer_geometry
+
+UPSTREAM_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
+RUNS_IN = "worker"
+WHY = (
+    "The DSA top-k merge all-gathers candidates over all D ranks; a partial "
+    "indexer cache's duplicate replicas would be counted D/K times."
+)
+REMOVE_WHEN = "the DSA top-k merge takes a replica group or index"
+RELATED = "none upstream: the merge gathers over the DCP group"
+
+_M = UPSTREAM_MODULE
+REPLACES: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(
+        _M,
+        "_merge_dcp_topk_global",
+        "logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, "
+        "cp_interleave, row_starts=",
+    ),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
+    # Relied on: the op merges through the module global above, with the
+    # dcp_rank / dcp_world_size it is given.
+    UpstreamSymbol(_M, "sparse_attn_indexer"),
+)
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ("worker.deepseek_v32_attention",)
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
+
+
+def _make_merge(original: Callable[..., None]) -> Callable[..., None]:
+    def _merge_dcp_topk_global(
+        logits: Any,
+        topk_indices: Any,
+        topk_tokens: int,
+        dcp_rank: int,
+        dcp_world_size: int,
+        cp_interleave: int,
+        row_starts: Any = None,
+    ) -> None:
+        geometry = current_indexer_geometry()
+        if geometry is not None and geometry.is_partial:
+            if (dcp_world_size, dcp_rank) != geometry.shard_world:
+                raise DcpGeometryError(
+                    f"{geometry.describe()}: the top-k merge was called with "
+                    f"(dcp_world_size, dcp_rank)=({dcp_world_size}, {dcp_rank}), "
+                    f"not the indexer cache's shard world {geometry.shard_world}"
+                )
+            if geometry.replica != 0:
+                topk_indices.fill_(-1)
+        original(
+            logits,
+            topk_indices,
+            topk_tokens,
+            dcp_rank,
+            dcp_world_size,
+            cp_interleave,
+            row_starts,
+        )
+
+    return _merge_dcp_topk_global
+
+
+def apply(module: ModuleType) -> None:
+    wrap(module, "_merge_dcp_topk_global", _make_merge)

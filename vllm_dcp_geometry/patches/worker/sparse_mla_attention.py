@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Patch ``vllm.model_executor.layers.attention.sparse_mla_attention``: sparse
+MLA builders follow their group's K.
+
+What: wraps ``SparseMLACommonMetadataBuilder.__init__`` (the base of the
+FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE and FLASH_ATTN_MLA_SPARSE_FA4
+builders) with the one taught-builder constructor
+(``metadata_builders.builder_init``), its ``_build_chunked_context_fields``,
+and the module's ``get_dcp_group`` as this module sees it (outside our
+builder calls it is upstream's). The module calls the MLA module's
+``build_mla_chunked_context_metadata`` by name, which the MLA patch plans
+over K shards while a partial group is active.
+
+- K = 1: upstream's constructor runs with ``get_dcp_group`` answering a world
+  of 1, i.e. vLLM's DCP1 sparse builder (an N-row workspace, no KV gather, a
+  DCP1 chunk plan for the dense-MHA prefill); the layers' impls run local.
+- 1 < K < D: the builder keeps D (the query is gathered over the DCP group
+  and combined by the layer's ``MLADCPManager``); the dense-MHA prefill's
+  context is planned over K shards (``mla_geometry.group_context_chunk_kwargs``,
+  the dense MLA rule) and its workspace checked. Sparse decode has no length
+  to localise: causality comes from the top-k, which the impl filters to the
+  rank's shard in the shard world ``(K, r % K)`` (``ShardWorldForwardMqa``).
+
+Why: vLLM 0.33.0's sparse builders take D from the DCP group whatever the
+spec says.
+
+Hand-back: D == 1, or vLLM's own K = D, runs upstream untouched.
+
+Remove when: vLLM's sparse MLA takes a per-group DCP shard count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol, wrap
+from vllm_dcp_geometry.contract import GroupGeometry
+from vllm_dcp_geometry.group_context import use_group_geometry
+from vllm_dcp_geometry.metadata_builders import (
+    BuilderTeaching,
+    bound_partial_geometry,
+    builder_init,
+)
+from vllm_dcp_geometry.mla_geometry import (
+    CHUNK_PLANNER_PARAMETERS,
+    check_context_workspace,
+    make_local_group_getter,
+)
+
+UPSTREAM_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"
+RUNS_IN = "worker"
+WHY = (
+    "Sparse MLA builders take D from the DCP group whatever the spec says; "
+    "replicated sparse groups must build DCP1 metadata and partial ones plan "
+    "their dense-MHA prefill context over K shards."
+)
+REMOVE_WHEN = "vLLM's sparse MLA takes a per-group DCP shard count"
+RELATED = "none upstream: sparse MLA builders read the DCP process group"
+
+_M = UPSTREAM_MODULE
+REPLACES: tuple[UpstreamSymbol, ...] = (
+    UpstreamSymbol(
+        _M,
+        "SparseMLACommonMetadataBuilder.__init__",
+        "self, kv_cache_spec, layer_names, vllm_config, device",
+    ),
+    UpstreamSymbol(
+        _M,
+        "SparseMLACommonMetadataBuilder._build_chunked_context_fields",
+        "self, common_attn_metadata, num_decodes, num_prefills, prefill_query_lens_cpu",
+    ),
+    UpstreamSymbol(_M, "get_dcp_group", ""),
+)
+RELIES_ON: tuple[UpstreamSymbol, ...] = (
+    # Relied on: the module calls the MLA module's chunk planner by name,
+    # which the MLA patch plans over K shards for the active partial group.
+    UpstreamSymbol(
+        _M,
+        "build_mla_chunked_context_metadata",
+        CHUNK_PLANNER_PARAMETERS,
+    ),
+    # Relied on: the impls filter the top-k with their own dcp_world_size and
+    # dcp_rank, which the bound impl swaps to (K, r % K) during forward_mqa.
+    UpstreamSymbol(
+        _M,
+        "SparseMLACommonImpl.forward_mqa",
+        "self, q, kv_c_and_k_pe_cache, attn_metadata, layer",
+    ),
+)
+ADDS: tuple[str, ...] = ()
+REMOVE_WITH: tuple[str, ...] = ("worker.flashmla_sparse", "worker.mla_attention")
+PATCHED_SYMBOLS = REPLACES + RELIES_ON
+
+
+def _make_context_fields(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _build_chunked_context_fields(
+        self: Any,
+        common_attn_metadata: Any,
+        num_decodes: int,
+        num_prefills: int,
+        prefill_query_lens_cpu: Any,
+    ) -> Any:
+        geometry = bound_partial_geometry(self)
+        active = (
+            contextlib.nullcontext()
+            if geometry is None
+            else use_group_geometry(geometry)
+        )
+        with active:
+            return original(
+                self,
+                common_attn_metadata,
+                num_decodes,
+                num_prefills,
+                prefill_query_lens_cpu,
+            )
+
+    return _build_chunked_context_fields
+
+
+def _check_partial_workspace(
+    builder: Any, geometry: GroupGeometry, vllm_config: Any, device: Any
+) -> None:
+    if geometry.is_partial:
+        check_context_workspace(
+            geometry,
+            builder.chunked_prefill_workspace_size,
+            builder.kv_cache_spec.block_size,
+        )
+
+
+BUILDER_TEACHING = BuilderTeaching(
+    mla=True,
+    construct_in_group=lambda geometry: geometry.is_replicated,
+    finish=_check_partial_workspace,
+)
+
+
+def _require_mla_chunk_planner(module: ModuleType) -> None:
+    import vllm.model_executor.layers.attention.mla_attention as mla
+
+    if module.build_mla_chunked_context_metadata is not (
+        mla.build_mla_chunked_context_metadata
+    ):
+        raise UpstreamChangedError(
+            f"{module.__name__}.build_mla_chunked_context_metadata is no longer "
+            f"{mla.__name__}'s (which the MLA patch plans over K shards); "
+            "review the plugin against this vLLM"
+        )
+
+
+def apply(module: ModuleType) -> None:
+    _require_mla_chunk_planner(module)
+    wrap(module, "get_dcp_group", make_local_group_getter)
+    builder = module.SparseMLACommonMetadataBuilder
+    wrap(builder, "__init__", builder_init(BUILDER_TEACHING))
+    wrap(builder, "_build_chunked_context_fields", _make_context_fields)
