@@ -9,15 +9,18 @@
   no model weights, checking ownership, widths and addressability each step.
 - ``simulate``: vLLM's real scheduler feeding every DCP rank's block tables,
   checking slot mappings and local lengths of every group at every step.
+- ``ranks``: D real worker processes running vLLM's MLA attention with its
+  real collectives, every rank checked against a float64 reference.
 
 Each command is a package of this one (``cli.profiles``, ``cli.plan``,
-``cli.replay``, ``cli.simulate``): its ``__init__`` holds its ``HELP``, its
-flags (``add_arguments``) and the command (``command``), its other modules
-what only it needs. What the commands share is in ``cli.common``.
+``cli.replay``, ``cli.simulate``, ``cli.ranks``): its ``__init__`` holds its
+``HELP``, its flags (``add_arguments``) and the command (``command``), its
+other modules what only it needs. What the commands share is in ``cli.common``.
 
 Exit status (``cli.common.status``): 0 clean, 1 a replay or simulation found a
-violation, 2 bad input, 130 interrupted. Every bad input is one line on
-standard error naming the flag, field or group and the allowed range.
+violation (``ranks``: wrong numerics), 2 bad input, 130 interrupted. Every bad
+input is one line on standard error naming the flag, field or group and the
+allowed range.
 vLLM is imported only inside the commands that need it, with third-party
 import noise hidden unless ``--verbose``.
 """
@@ -30,7 +33,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from vllm_dcp_geometry.cli import plan, profiles, replay, simulate
+from vllm_dcp_geometry.cli import plan, profiles, ranks, replay, simulate
 from vllm_dcp_geometry.cli.common.status import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -49,6 +52,7 @@ COMMANDS = {
     "plan": plan,
     "replay": replay,
     "simulate": simulate,
+    "ranks": ranks,
 }
 """Each command's package, in the order ``--help`` lists them."""
 

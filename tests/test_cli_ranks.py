@@ -1,0 +1,260 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``vllm-dcp-geometry ranks``: MLA attention across D real worker processes.
+
+Each run starts D processes that load the plugin through vLLM's own plugin
+loader, initialise vLLM's distributed state over gloo and run every MLA group
+of ``mla-mixed-tp4-dcp4`` (K = D, a partial K and a replicated draft) with
+vLLM's real collectives. Checked: every rank within 1e-5 (fp32) of the float64
+reference, the unpatched baseline wrong for K < D and right for K = D, the
+bytes each rank moves in a decode step exactly vLLM's D-wide all-gather /
+reduce-scatter traffic (``mla_rank_run.mla_decode_step_bytes``, and restated
+here), the KV-write stand-in at the contract's slots, and bad input.
+
+Cost on 2 cores: about 45-60 s for D = 2 with its baseline, 65 s for D = 4;
+the D = 4 unpatched run (75 s) is ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
+from vllm_dcp_geometry.cli.ranks.cases import Shape
+from vllm_dcp_geometry.contract import reference_slot_mapping
+from vllm_dcp_geometry.mla_rank_run import collective_bytes, mla_decode_step_bytes
+
+pytestmark = pytest.mark.patches(
+    "common.kv_cache_interface", "worker.mla_attention", "worker.utils"
+)
+
+PROFILE = "mla-mixed-tp4-dcp4"
+TOLERANCE = 1e-5
+FIELDS = (
+    "name",
+    "shard_count",
+    "attention_mode",
+    "max_abs_error",
+    "max_lse_error",
+    "collective_bytes_per_rank_per_step",
+)
+
+
+def _ranks(capsys: Any, *args: str) -> tuple[int, dict[str, Any]]:
+    code = main(["ranks", "-p", PROFILE, *args, "--json", "--no-progress"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _decode_bytes(world: int, tokens: int, shape: Shape) -> int:
+    """vLLM's D-wide MLA decode step, restated: a ring all-gather of the
+    [T, h, L + R] query and of the [T, D h] float32 LSE, and a ring
+    reduce-scatter of the [T, D h, L] partial output; each rank sends and
+    receives (D - 1) / D of what the collective moves, each way."""
+    if world == 1:
+        return 0
+    h, e = shape.heads_per_rank, 4
+    query = tokens * h * (shape.kv_lora_rank + shape.rope_dim) * e
+    lse = tokens * world * h * 4
+    out = tokens * world * h * shape.kv_lora_rank * e
+    return 2 * (world - 1) * (query + lse) + 2 * (world - 1) * out // world
+
+
+def _check_clean(report: dict[str, Any], dcp: int) -> None:
+    assert report["ranks"] == dcp and report["ok"] is True
+    assert report["processes"]["count"] == dcp
+    assert report["processes"]["plugin_loaded_by_vllm"] == [True] * dcp
+    assert report["processes"]["dcp_group"]["class"] == "GroupCoordinator"
+    assert "vllm._custom_ops.concat_and_cache_mla" in report["stand_ins"]
+    groups = {g["name"]: g for g in report["groups"]}
+    assert set(groups) == {"mla.k4", "mla.k2", "draft"}
+    for g in groups.values():
+        for field in FIELDS:
+            assert field in g, field
+        assert g["status"] == "run", g
+        assert g["max_abs_error"] <= TOLERANCE, g
+        assert g["max_lse_error"] <= TOLERANCE, g
+        k = g["shard_count"]
+        assert dcp % k == 0
+        mode = "local" if k == 1 else "dcp" if k == dcp else "dcp-partial"
+        assert g["attention_mode"] == mode
+        # Partial groups still use vLLM's D-wide group (today's path).
+        world = 1 if k == 1 else dcp
+        expected = _decode_bytes(world, g["decode_tokens_per_step"], Shape())
+        assert g["collective_bytes_by_rank"] == [expected] * dcp, g
+        assert g["collective_bytes_per_rank_per_step"] == expected
+        assert g["formula_bytes_per_rank_per_step"] == expected
+        assert g["traffic_matches_formula"] is True
+
+
+def test_two_ranks_clean_and_the_unpatched_baseline_wrong_below_d(
+    capsys: Any,
+) -> None:
+    code, report = _ranks(capsys, "--dcp", "2", "--baseline")
+    assert report["patched_ok"] is True
+    _check_clean({**report, "ok": report["patched_ok"]}, 2)
+    # Unpatched: the replicated draft (K = 1 < D) is read as sharded: wrong,
+    # with D-wide traffic; the K = D groups are right and move the same bytes.
+    assert code == EXIT_VIOLATION and report["ok"] is False
+    baseline = report["baseline"]
+    assert baseline["mode"] == "unpatched"
+    assert baseline["processes"]["plugin_loaded_by_vllm"] == [False, False]
+    patched = {g["name"]: g for g in report["groups"]}
+    for g in baseline["groups"]:
+        if g["shard_count"] < 2:
+            assert g["max_abs_error"] > 1e-2, g
+            assert g["attention_mode"] == "dcp"
+            assert g["collective_bytes_per_rank_per_step"] > 0
+        else:
+            assert g["max_abs_error"] <= TOLERANCE, g
+            assert (
+                g["collective_bytes_per_rank_per_step"]
+                == patched[g["name"]]["collective_bytes_per_rank_per_step"]
+            )
+
+
+def test_four_ranks_clean_with_receipt(capsys: Any, tmp_path: Path) -> None:
+    receipt = tmp_path / "ranks.json"
+    code, report = _ranks(capsys, "--receipt", str(receipt))
+    assert code == EXIT_OK
+    _check_clean(report, 4)
+    assert {g["shard_count"] for g in report["groups"]} == {4, 2, 1}
+    written = json.loads(receipt.read_text())
+    assert written["command"] == "ranks" and written["ok"] is True
+
+
+@pytest.mark.slow
+def test_four_ranks_unpatched_wrong_for_every_k_below_d() -> None:
+    """The unpatched run alone (``ranks --baseline`` runs it after the
+    patched one): every group with K < D wrong, K = D right."""
+    from vllm_dcp_geometry.cli.ranks.run import run_ranks
+    from vllm_dcp_geometry.topology import load_profile
+
+    report = run_ranks(load_profile(PROFILE), patched=False, progress=False)
+    assert report["ok"] is False and report["mode"] == "unpatched"
+    for g in report["groups"]:
+        assert g["attention_mode"] == "dcp", g
+        if g["shard_count"] < 4:
+            assert g["max_abs_error"] > 1e-2, g
+        else:
+            assert g["max_abs_error"] <= TOLERANCE, g
+
+
+def test_text_output_names_the_stand_ins_and_the_table(capsys: Any) -> None:
+    """The default profile at --dcp 4: the Kimi-K3 layer groups and the
+    recurrent ones are listed with the reason; nothing else to start."""
+    assert main(["ranks", "--dcp", "4", "--no-progress"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "no worker started" in out
+    assert "not run: layer class MultiHeadLatentAttention" in out
+    assert "no attention" in out
+    assert out.rstrip().endswith("OK")
+
+
+# The traffic formula ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+def test_collective_bytes_are_ring_traffic(world: int) -> None:
+    n = 48 * world
+    assert collective_bytes("all_gather", world, n) == 2 * (world - 1) * n
+    assert collective_bytes("all_gather_into_tensor", world, n) == 2 * (world - 1) * n
+    assert collective_bytes("reduce_scatter", world, n) == 2 * (world - 1) * 48
+    assert collective_bytes("all_to_all_single", world, n) == 2 * (world - 1) * 48
+    assert collective_bytes("all_reduce", world, n) == 4 * (world - 1) * 48
+    with pytest.raises(ValueError, match="unknown collective"):
+        collective_bytes("broadcast", world, n)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_decode_step_formula(world: int, tokens: int) -> None:
+    shape = Shape()
+    got = mla_decode_step_bytes(
+        world,
+        tokens=tokens,
+        heads_per_rank=shape.heads_per_rank,
+        kv_lora_rank=shape.kv_lora_rank,
+        rope_dim=shape.rope_dim,
+        dtype_bytes=shape.dtype_bytes,
+    )
+    assert got == _decode_bytes(world, tokens, shape)
+
+
+# The KV-write stand-in against the contract --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shard_count", "interleave"), [(1, 1), (2, 1), (4, 4), (2, 8)]
+)
+def test_the_kv_write_stand_in_writes_the_contracts_slots(
+    monkeypatch: pytest.MonkeyPatch, shard_count: int, interleave: int
+) -> None:
+    """``worker.write_cache`` (through ``vllm._custom_ops.concat_and_cache_mla``,
+    the stand-in) puts every position of every request on the shard the
+    contract names, at the slot it names, once across the K shards."""
+    import torch
+    import vllm._custom_ops as ops
+
+    from vllm_dcp_geometry import mla_rank_run
+    from vllm_dcp_geometry.cli.ranks import worker
+
+    monkeypatch.setattr(ops, "concat_and_cache_mla", mla_rank_run.concat_and_cache_mla)
+    shape = Shape(kv_lora_rank=5, rope_dim=3)
+    block, num_blocks = 8, 40
+    requests = [(37, 1), (3, 1), (16, 5)]
+    width = -(-64 // (block * shard_count))
+    inputs = worker.make_inputs(requests, 2, shape, num_blocks, width, seed=3)
+    written = torch.zeros(len(requests), 64, dtype=torch.int64)
+    for shard in range(shard_count):
+        group = {
+            "block_size": block,
+            "shard_count": shard_count,
+            "interleave": interleave,
+            "shard": shard,
+        }
+        cache = worker.write_cache(inputs, group, shape, num_blocks, "cpu")
+        flat = cache.view(-1, cache.shape[-1])
+        for i, (context, new) in enumerate(requests):
+            slots = reference_slot_mapping(
+                range(context + new),
+                inputs.rows[i],
+                block_size=block,
+                shard_count=shard_count,
+                interleave_size=interleave,
+                shard=shard,
+            )
+            for position, slot in enumerate(slots):
+                if slot < 0:
+                    continue
+                written[i, position] += 1
+                want = torch.cat([inputs.kv_c[i][position], inputs.k_pe[i][position]])
+                assert torch.equal(flat[slot], want.float()), (shard, i, position)
+    for i, (context, new) in enumerate(requests):
+        assert written[i, : context + new].tolist() == [1] * (context + new)
+
+
+# Bad input ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["-p", "no-such-profile"], "unknown profile 'no-such-profile'"),
+        (["-p", PROFILE, "--dcp", "3"], "must divide the tensor-parallel size"),
+        (["--dcp", "5"], "must divide the tensor-parallel size"),
+        (["-p", PROFILE, "--dcp", "1"], "at least 2"),
+        (["-p", PROFILE, "--seed", "-1"], "--seed"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    capsys: Any, args: list[str], needle: str
+) -> None:
+    assert main(["ranks", *args]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
