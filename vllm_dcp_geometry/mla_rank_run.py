@@ -20,6 +20,7 @@ functions only: importing this module stays cheap.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # Stand-ins for the vllm._C cache ops -------------------------------------------
@@ -207,3 +208,107 @@ def mla_decode_step_bytes(
         + collective_bytes("all_gather", w, lse)
         + collective_bytes("reduce_scatter", w, partial_out)
     )
+
+
+def build_mla_layer(
+    vllm_config: Any,
+    shape: Any,
+    *,
+    kv_b_weight: Any,
+    rank: int,
+    backend: Any,
+    dtype: Any,
+    device: str,
+    layer_name: str,
+) -> Any:
+    """One rank's vLLM ``MLAAttention`` (``backend``; the ``cpu_sdpa``
+    prefill on a CPU) with its TP slice of ``kv_b_weight`` in a real
+    ``ColumnParallelLinear``, weights processed. ``shape`` gives
+    ``heads_per_rank``, ``scale``, ``nope_dim``, ``rope_dim``, ``v_head_dim``
+    and ``kv_lora_rank``."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+
+    prefill = None
+    if device == "cpu":
+        from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (
+            CPUSDPAMLAPrefillBackend,
+        )
+
+        prefill = CPUSDPAMLAPrefillBackend
+    with set_current_vllm_config(vllm_config), torch.device(device):
+        kv_b_proj = ColumnParallelLinear(
+            shape.kv_lora_rank,
+            kv_b_weight.shape[0],
+            bias=False,
+            params_dtype=dtype,
+            prefix=layer_name.replace("attn", "kv_b_proj"),
+        )
+        layer = MLAAttention(
+            num_heads=shape.heads_per_rank,
+            scale=shape.scale,
+            qk_nope_head_dim=shape.nope_dim,
+            qk_rope_head_dim=shape.rope_dim,
+            v_head_dim=shape.v_head_dim,
+            q_lora_rank=None,
+            kv_lora_rank=shape.kv_lora_rank,
+            kv_b_proj=kv_b_proj,
+            prefix=layer_name,
+            attn_backend=backend,
+            prefill_backend_cls=prefill,
+        )
+    rows = shape.heads_per_rank * (shape.nope_dim + shape.v_head_dim)
+    kv_b_proj.weight.data.copy_(kv_b_weight[rank * rows : (rank + 1) * rows])
+    layer.process_weights_after_loading(dtype)
+    return layer
+
+
+def write_deepseek_config(
+    num_heads: int,
+    *,
+    kv_lora_rank: int,
+    nope_dim: int,
+    rope_dim: int,
+    v_head_dim: int,
+    dtype: str,
+    max_position_embeddings: int,
+    q_lora_rank: int | None = None,
+    architecture: str = "DeepseekV3ForCausalLM",
+    model_type: str = "deepseek_v3",
+    extra: dict[str, Any] | None = None,
+    prefix: str = "vllm_dcp_geometry_mla_",
+) -> Path:
+    """A directory holding a one-layer DeepSeek-shaped Hugging Face
+    ``config.json`` (no weights): what vLLM's model config needs to size an
+    MLA layer of ``num_heads`` query heads."""
+    import json
+    import tempfile
+
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 1,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "vocab_size": 128,
+        "max_position_embeddings": max_position_embeddings,
+        "torch_dtype": dtype,
+        "kv_lora_rank": kv_lora_rank,
+        "q_lora_rank": q_lora_rank,
+        "qk_nope_head_dim": nope_dim,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": v_head_dim,
+        **(extra or {}),
+    }
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    (path / "config.json").write_text(json.dumps(config))
+    return path

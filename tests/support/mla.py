@@ -18,9 +18,7 @@ baseline runs the very same code in a fresh process.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -34,8 +32,10 @@ from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import cdiv, reference_slot_mapping
 from vllm_dcp_geometry.mla_rank_run import (
     STAND_IN_OPS,
+    build_mla_layer,
     max_error,
     mla_reference,
+    write_deepseek_config,
 )
 
 # Re-exported: the stand-ins, by name, for the tests and ``cpu_stand_ins``.
@@ -283,31 +283,15 @@ def cpu_shims() -> Iterator[None]:
 
 
 def model_dir(dcp: int, shape: Shape = CPU) -> Path:
-    config = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "num_attention_heads": dcp * shape.heads_per_rank,
-        "num_key_value_heads": dcp * shape.heads_per_rank,
-        "num_hidden_layers": 1,
-        "vocab_size": 128,
-        "max_position_embeddings": 4096,
-        "torch_dtype": str(shape.dtype).removeprefix("torch."),
-        "kv_lora_rank": shape.kv_lora_rank,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": shape.nope_dim,
-        "qk_rope_head_dim": shape.rope_dim,
-        "v_head_dim": shape.v_head_dim,
-    }
-    path = Path(tempfile.mkdtemp(prefix="vllm_dcp_geometry_mla_"))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_deepseek_config(
+        dcp * shape.heads_per_rank,
+        kv_lora_rank=shape.kv_lora_rank,
+        nope_dim=shape.nope_dim,
+        rope_dim=shape.rope_dim,
+        v_head_dim=shape.v_head_dim,
+        dtype=str(shape.dtype).removeprefix("torch."),
+        max_position_embeddings=4096,
+    )
 
 
 @dataclass
@@ -430,40 +414,17 @@ class Rank:
 
 
 def make_layer(vllm_config: Any, batch: Batch, rank: int, backend: Any) -> Any:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.model_executor.layers.linear import ColumnParallelLinear
-    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (
-        CPUSDPAMLAPrefillBackend,
-    )
-
     shape = batch.shape
-    prefill = CPUSDPAMLAPrefillBackend if shape.device == "cpu" else None
-    with set_current_vllm_config(vllm_config), torch.device(shape.device):
-        kv_b_proj = ColumnParallelLinear(
-            shape.kv_lora_rank,
-            batch.kv_b_weight.shape[0],
-            bias=False,
-            params_dtype=shape.dtype,
-            prefix=LAYER.replace("attn", "kv_b_proj"),
-        )
-        layer = MLAAttention(
-            num_heads=shape.heads_per_rank,
-            scale=shape.scale,
-            qk_nope_head_dim=shape.nope_dim,
-            qk_rope_head_dim=shape.rope_dim,
-            v_head_dim=shape.v_head_dim,
-            q_lora_rank=None,
-            kv_lora_rank=shape.kv_lora_rank,
-            kv_b_proj=kv_b_proj,
-            prefix=LAYER,
-            attn_backend=backend,
-            prefill_backend_cls=prefill,
-        )
-    rows = shape.heads_per_rank * (shape.nope_dim + shape.v_head_dim)
-    kv_b_proj.weight.data.copy_(batch.kv_b_weight[rank * rows : (rank + 1) * rows])
-    layer.process_weights_after_loading(shape.dtype)
-    return layer
+    return build_mla_layer(
+        vllm_config,
+        shape,
+        kv_b_weight=batch.kv_b_weight,
+        rank=rank,
+        backend=backend,
+        dtype=shape.dtype,
+        device=shape.device,
+        layer_name=LAYER,
+    )
 
 
 def write_cache(batch: Batch, shard_count: int, interleave: int, shard: int) -> Any:

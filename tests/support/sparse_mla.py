@@ -42,7 +42,6 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-import json
 import math
 import tempfile
 import types
@@ -70,6 +69,7 @@ from vllm_dcp_geometry.contract import (
     local_seq_len,
     reference_slot_mapping,
 )
+from vllm_dcp_geometry.mla_rank_run import write_deepseek_config
 
 LATENT_DIM = 576
 """``kv_lora_rank + rope``: the one head size of the sparse kernels."""
@@ -640,34 +640,20 @@ def dsv32_model_dir(
 ) -> Path:
     """A DeepSeek-V3.2 config directory (no weights): one layer, DeepSeek's
     latent sizes (512 + 64), ``num_heads`` query heads."""
-    config = {
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "num_hidden_layers": 1,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_heads,
-        "vocab_size": 128,
-        "max_position_embeddings": max_position_embeddings,
-        "torch_dtype": "bfloat16",
-        "kv_lora_rank": VALUE_DIM,
-        "q_lora_rank": 64,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": ROPE_DIM,
-        "v_head_dim": 128,
-        "index_topk": index_topk,
-        "index_n_heads": 4,
-        "index_head_dim": 128,
-    }
-    path = Path(tempfile.mkdtemp(prefix="vllm_dcp_geometry_dsv32_"))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_deepseek_config(
+        num_heads,
+        kv_lora_rank=VALUE_DIM,
+        nope_dim=128,
+        rope_dim=ROPE_DIM,
+        v_head_dim=128,
+        dtype="bfloat16",
+        max_position_embeddings=max_position_embeddings,
+        q_lora_rank=64,
+        architecture="DeepseekV32ForCausalLM",
+        model_type="deepseek_v32",
+        extra={"index_topk": index_topk, "index_n_heads": 4, "index_head_dim": 128},
+        prefix="vllm_dcp_geometry_dsv32_",
+    )
 
 
 @functools.cache

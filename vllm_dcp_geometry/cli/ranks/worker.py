@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,9 +35,11 @@ from vllm_dcp_geometry.cli.ranks.cases import Shape, decode_requests, prefill_re
 from vllm_dcp_geometry.contract import cdiv, reference_slot_mapping
 from vllm_dcp_geometry.mla_rank_run import (
     STAND_IN_OPS,
+    build_mla_layer,
     collective_bytes,
     max_error,
     mla_reference,
+    write_deepseek_config,
 )
 
 LAYER = "model.layers.0.self_attn.attn"
@@ -136,31 +137,16 @@ def install_traffic_counter(traffic: Traffic) -> None:
 def model_dir(world: int, shape: Shape) -> Path:
     """A DeepSeek-V3-shaped Hugging Face config (no weights) with ``world``
     times ``heads_per_rank`` attention heads."""
-    config = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "num_attention_heads": world * shape.heads_per_rank,
-        "num_key_value_heads": world * shape.heads_per_rank,
-        "num_hidden_layers": 1,
-        "vocab_size": 128,
-        "max_position_embeddings": 8192,
-        "torch_dtype": shape.dtype,
-        "kv_lora_rank": shape.kv_lora_rank,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": shape.nope_dim,
-        "qk_rope_head_dim": shape.rope_dim,
-        "v_head_dim": shape.v_head_dim,
-    }
-    path = Path(tempfile.mkdtemp(prefix="vllm_dcp_geometry_ranks_"))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_deepseek_config(
+        world * shape.heads_per_rank,
+        kv_lora_rank=shape.kv_lora_rank,
+        nope_dim=shape.nope_dim,
+        rope_dim=shape.rope_dim,
+        v_head_dim=shape.v_head_dim,
+        dtype=shape.dtype,
+        max_position_embeddings=8192,
+        prefix="vllm_dcp_geometry_ranks_",
+    )
 
 
 def vllm_config(
@@ -295,44 +281,19 @@ def build_layer(config: Any, weight: Any, rank: int, shape: Shape, device: str) 
     """The rank's ``MLAAttention`` (TRITON_MLA) with its slice of
     ``kv_b_proj`` (a real ``ColumnParallelLinear`` over the TP group)."""
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.model_executor.layers.linear import ColumnParallelLinear
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    dtype = getattr(torch, shape.dtype)
     backend = AttentionBackendEnum["TRITON_MLA"].get_class()
-    prefill = None
-    if device == "cpu":
-        from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (
-            CPUSDPAMLAPrefillBackend,
-        )
-
-        prefill = CPUSDPAMLAPrefillBackend
-    with set_current_vllm_config(config), torch.device(device):
-        kv_b_proj = ColumnParallelLinear(
-            shape.kv_lora_rank,
-            weight.shape[0],
-            bias=False,
-            params_dtype=dtype,
-            prefix=LAYER.replace("attn", "kv_b_proj"),
-        )
-        layer = MLAAttention(
-            num_heads=shape.heads_per_rank,
-            scale=shape.scale,
-            qk_nope_head_dim=shape.nope_dim,
-            qk_rope_head_dim=shape.rope_dim,
-            v_head_dim=shape.v_head_dim,
-            q_lora_rank=None,
-            kv_lora_rank=shape.kv_lora_rank,
-            kv_b_proj=kv_b_proj,
-            prefix=LAYER,
-            attn_backend=backend,
-            prefill_backend_cls=prefill,
-        )
-    rows = shape.heads_per_rank * (shape.nope_dim + shape.v_head_dim)
-    kv_b_proj.weight.data.copy_(weight[rank * rows : (rank + 1) * rows])
-    layer.process_weights_after_loading(dtype)
+    layer = build_mla_layer(
+        config,
+        shape,
+        kv_b_weight=weight,
+        rank=rank,
+        backend=backend,
+        dtype=getattr(torch, shape.dtype),
+        device=device,
+        layer_name=LAYER,
+    )
     return layer, backend
 
 
