@@ -313,3 +313,47 @@ def test_sharded_sparse_latent_builders_keep_d(k: int) -> None:
             combine = layer.dcp_manager.combine
             assert isinstance(combine, ReplicaMaskedCombine)
             assert combine.replica == rank // k
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_sparse_dense_mha_context_is_planned_over_the_group(k: int) -> None:
+    """The dense-MHA prefill of a sparse layer reads its context through
+    vLLM's MLA chunk planner: a partial group's chunks hold each shard's
+    contract local lengths (K shards, not D), a K = D group's D shards."""
+    from vllm_dcp_geometry._patching import original_of
+    from vllm_dcp_geometry.contract import local_seq_len
+
+    vllm_config = dsv32_config(D, 1)
+    spec = latent_spec(B, _spec_count(k))
+    decodes = sum(1 for _, n in REQUESTS if n == 1)
+    prefills = REQUESTS[decodes:]
+    query_lens = torch.tensor([n for _, n in prefills], dtype=torch.int32)
+    with cpu_shims():
+        for rank in range(D):
+            builder, _ = _build(
+                vllm_config, rank, _flashmla_sparse_backend(), LATENT_LAYER, spec
+            )
+            chunked = builder._build_chunked_context_fields(
+                _common_metadata(vllm_config, rank), decodes, len(prefills), query_lens
+            )
+            contexts = [c for c, _ in prefills]
+            assert chunked.context_lens_list == contexts
+            covered = sum(chunk.num_context_tokens for chunk in chunked.chunks)
+            assert covered == sum(contexts)
+            for chunk in chunked.chunks:
+                requests = range(chunk.request_slice.start, chunk.request_slice.stop)
+                assert chunk.local_context_lens_allranks == [
+                    [local_seq_len(contexts[i], B, k, 1, s) for s in range(k)]
+                    for i in requests
+                ]
+            if k < D:
+                # Upstream's own method plans the partial cache over D shards.
+                upstream = original_of(type(builder)._build_chunked_context_fields)
+                wrong = upstream(
+                    builder,
+                    _common_metadata(vllm_config, rank),
+                    decodes,
+                    len(prefills),
+                    query_lens,
+                )
+                assert len(wrong.chunks[0].local_context_lens_allranks[0]) == D
