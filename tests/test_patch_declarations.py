@@ -424,3 +424,25 @@ def test_the_channel_check_catches_a_shared_writer_that_does_not_write() -> None
         "use_group_geometry: writer worker.flash_attn never uses use_group_geometry"
         in channel_problems((no_via,))
     )
+
+
+def test_a_wrapper_relying_on_a_global_call_refuses_when_it_is_gone() -> None:
+    """The indexer patches wrap a function their caller must look up as a
+    module global (directly, nested or behind a decorator); a caller that no
+    longer does is refused loudly, not left calling the unwrapped one."""
+    import functools
+
+    from vllm_dcp_geometry._patching import UpstreamChangedError, require_global_call
+
+    module = types.ModuleType("fake_indexer")
+    exec(
+        "def merge():\n    return 1\n"
+        "def caller():\n    def inner():\n        return merge()\n    return inner()\n"
+        "def inlined():\n    return 1\n",
+        module.__dict__,
+    )
+    module.decorated = functools.wraps(module.caller)(lambda: module.caller())  # type: ignore[attr-defined]
+    require_global_call(module, "caller", "merge")
+    require_global_call(module, "decorated", "merge")
+    with pytest.raises(UpstreamChangedError, match="no longer calls merge"):
+        require_global_call(module, "inlined", "merge")

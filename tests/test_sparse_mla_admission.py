@@ -145,7 +145,7 @@ def test_an_indexer_cache_is_bound_only_under_its_deepseek_layer(k: int) -> None
     context = _context(DEEPSEEK_V32_ATTENTION)
     _bind(context, k)
     assert getattr(context[INDEXER], BOUND_GEOMETRY_ATTR).shard_world == (k, 3 % k)
-    for reader, found in ((GENERIC_MLA, GENERIC_MLA), (None, "not in the forward")):
+    for reader, found in ((GENERIC_MLA, GENERIC_MLA), (None, "not in the model")):
         with pytest.raises(DcpGeometryError) as excinfo:
             _bind(_context(reader), k)
         message = str(excinfo.value)
@@ -191,19 +191,8 @@ def _specs() -> dict[str, Any]:
     return {LATENT: latent, INDEXER: indexer}
 
 
-def _apply(layers: dict[str, Any], dcp: int = 4) -> dict[str, Any]:
-    from vllm_dcp_geometry.overrides import apply_to_kv_cache_specs
-
-    config = SimpleNamespace(
-        additional_config={"dcp_geometry": {"layers": layers}},
-        parallel_config=SimpleNamespace(
-            decode_context_parallel_size=dcp,
-            prefill_context_parallel_size=1,
-            pipeline_parallel_size=1,
-        ),
-        compilation_config=SimpleNamespace(static_forward_context={}),
-    )
-    return apply_to_kv_cache_specs(_specs(), config)
+def _apply(layers: dict[str, Any]) -> dict[str, Any]:
+    return _apply_to(_specs(), layers)
 
 
 @pytest.mark.parametrize("value", [1, 2, "replicated"])
@@ -229,6 +218,63 @@ def test_an_indexer_with_another_k_than_its_latent_cache_is_refused() -> None:
     # The same K written twice is no conflict.
     specs = _apply({"model.layers.*.self_attn.attn": 2, "*.indexer.k_cache": 2})
     assert specs[INDEXER].dcp_shard_count(4) == 2
+
+
+def _index_group_specs() -> dict[str, Any]:
+    import dataclasses
+
+    latent = _specs()[LATENT]
+    leader = dataclasses.replace(
+        latent, topk_buffer_width=64, is_index_group_leader=True
+    )
+    follower = dataclasses.replace(leader, is_index_group_leader=False)
+    return {
+        "model.layers.0.self_attn.attn": leader,
+        "model.layers.1.self_attn.attn": follower,
+        "model.layers.2.self_attn.attn": leader,
+    }
+
+
+def _apply_to(specs: dict[str, Any], layers: dict[str, Any]) -> dict[str, Any]:
+    from vllm_dcp_geometry.overrides import apply_to_kv_cache_specs
+
+    config = SimpleNamespace(
+        additional_config={"dcp_geometry": {"layers": layers}},
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=4,
+            prefill_context_parallel_size=1,
+            pipeline_parallel_size=1,
+        ),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+    )
+    return apply_to_kv_cache_specs(specs, config)
+
+
+def test_the_layers_of_one_index_group_share_one_k() -> None:
+    """A skip-top-k layer reuses its group leader's top-k (converted to
+    physical slots once at K = 1, with the leader's block table): its K must
+    be the leader's; the next leader starts a new group."""
+    with pytest.raises(DcpGeometryError) as excinfo:
+        _apply_to(_index_group_specs(), {"model.layers.1.*": 1})
+    message = str(excinfo.value)
+    assert "'model.layers.0.self_attn.attn' (K=4)" in message
+    assert "'model.layers.1.self_attn.attn' (K=1, D=4)" in message
+    assert "\n" not in message
+    specs = _apply_to(_index_group_specs(), {"model.layers.[01].*": 1})
+    assert specs["model.layers.1.self_attn.attn"].dcp_shard_count(4) == 1
+    specs = _apply_to(_index_group_specs(), {"model.layers.2.*": 2})
+    assert specs["model.layers.2.self_attn.attn"].dcp_shard_count(4) == 2
+
+
+def test_index_groups_follow_layer_order() -> None:
+    from vllm_dcp_geometry.overrides import index_groups
+
+    leaders = {"m.layers.10.a": False, "m.layers.2.a": True, "m.layers.9.a": True}
+    assert index_groups(leaders) == [
+        ["m.layers.2.a"],
+        ["m.layers.9.a", "m.layers.10.a"],
+    ]
+    assert index_groups({"x": True, "y": False}) == [["x", "y"]]
 
 
 # plan ------------------------------------------------------------------------
@@ -280,3 +326,25 @@ def test_plan_refuses_an_indexer_with_another_k(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "must share one K" in done.stderr
     assert "model.layers.31.self_attn.indexer.k_cache" in done.stderr
+
+
+def test_plan_refuses_an_indexer_cache_without_its_deepseek_reader(
+    tmp_path: Path,
+) -> None:
+    """As start-up does: the indexer cache of a layer that is not a
+    DeepseekV32Attention (here: no ``P.attn`` layer at all) is refused."""
+    moved = tmp_path / "moved.toml"
+    moved.write_text(
+        _profile_source().replace(
+            'layer_template = "model.layers.{}.self_attn.attn"',
+            'layer_template = "model.layers.{}.mla"',
+        )
+    )
+    done = _plan("-t", str(moved))
+    assert done.returncode == 2
+    assert "KV-cache group 3 (model.layers.31.self_attn.indexer.k_cache" in (
+        done.stderr
+    )
+    assert "is read by model.layers.31.self_attn.attn (not in the model)" in (
+        done.stderr
+    )

@@ -27,6 +27,7 @@ import importlib
 import inspect
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -345,6 +346,30 @@ def wrap(
     elif isinstance(raw, staticmethod):
         new = staticmethod(new)
     _assign(owner, name, new, "wrap")
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Names a code object and the functions nested in it look up."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def require_global_call(module: ModuleType, qualname: str, callee: str) -> None:
+    """Fail loudly unless ``module.qualname`` looks ``callee`` up as a global
+    (so a wrapper of the module's ``callee`` is the one it calls): a patch
+    relying on that must not switch itself off when vLLM inlines or imports
+    the callee another way."""
+    _, _, function = lookup(module, qualname)
+    code = getattr(inspect.unwrap(_callable_of(function)), "__code__", None)
+    if code is None or callee not in _global_names(code):
+        raise UpstreamChangedError(
+            f"{module.__name__}.{qualname} no longer calls {callee} through its "
+            "module globals, which this plugin's wrapper relies on; review the "
+            "plugin against this vLLM"
+        )
 
 
 def require_class_path(module: ModuleType, name: str, expected: str) -> type:

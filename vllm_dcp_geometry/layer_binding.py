@@ -26,6 +26,7 @@ from vllm_dcp_geometry.layer_classes import (
     LayerBinder,
     LayerBinding,
     layer_class_path,
+    reader_refusal,
     taught_layer,
 )
 from vllm_dcp_geometry.mla_geometry import bind_mla_layer
@@ -71,21 +72,14 @@ def check_reader(
 ) -> None:
     """A layer whose cache another layer reads (``TaughtLayer.read_by``) is
     bound only where that reader is the taught class."""
-    taught = taught_layer(layer_class_path(layer), True) or taught_layer(
-        layer_class_path(layer), False
-    )
-    if taught is None or taught.read_by is None:
-        return
-    reader_of, reader_class = taught.read_by
-    reader_name = reader_of(name) or "(no reader name)"
-    reader = context.get(reader_name)
-    found = "not in the forward context" if reader is None else layer_class_path(reader)
-    if found != reader_class:
-        raise DcpGeometryError(
-            f"{geometry.describe()}: layer {name} ({taught.path}) is read by "
-            f"{reader_name} ({found}), not a {reader_class}, the only reader "
-            "taught this cache's K; use K=D for it"
-        )
+
+    def find_class(reader_name: str) -> str | None:
+        reader = context.get(reader_name)
+        return None if reader is None else layer_class_path(reader)
+
+    refusal = reader_refusal(layer_class_path(layer), name, find_class)
+    if refusal is not None:
+        raise DcpGeometryError(f"{geometry.describe()}: {refusal}")
 
 
 def layer_binder(

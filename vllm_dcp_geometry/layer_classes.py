@@ -202,6 +202,27 @@ def taught_layer(path: str | None, mla: bool) -> TaughtLayer | None:
     return taught
 
 
+def reader_refusal(
+    layer_class: str, name: str, find_class: Callable[[str], str | None]
+) -> str | None:
+    """Why a layer of ``layer_class`` named ``name``, whose cache another
+    layer reads (``TaughtLayer.read_by``), cannot be bound; None where it
+    can (or the class has no such reader). ``find_class(reader_name)`` is
+    the reader's class, None where there is no such layer."""
+    taught = TAUGHT_LAYERS.get(layer_class)
+    if taught is None or taught.read_by is None:
+        return None
+    reader_of, reader_class = taught.read_by
+    reader_name = reader_of(name) or "(no reader name)"
+    found = find_class(reader_name) or "not in the model"
+    if found == reader_class:
+        return None
+    return (
+        f"layer {name} ({taught.path}) is read by {reader_name} ({found}), not "
+        f"a {reader_class}, the only reader taught this cache's K; use K=D for it"
+    )
+
+
 def layer_class_path(layer: Any) -> str:
     """The class whose code reads ``layer``'s cache: the model-owned wrapper
     a model patch named on it, else the layer's own class."""

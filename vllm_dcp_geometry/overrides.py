@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import fnmatch
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -337,6 +338,48 @@ def check_indexer_caches(shard_counts: Mapping[str, int], dcp_world_size: int) -
             )
 
 
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def index_groups(leaders: Mapping[str, bool]) -> list[list[str]]:
+    """The sparse layers that share one top-k (vLLM's index groups): each
+    layer with an indexer (``leaders[name]`` True) and the skip-top-k layers
+    after it, in layer order. A name without a layer index puts every layer
+    in one group (nothing is guessed)."""
+    indexed = [(_LAYER_INDEX.search(name), name) for name in leaders]
+    if not all(match for match, _ in indexed):
+        return [sorted(leaders)]
+    groups: list[list[str]] = []
+    for _, name in sorted(indexed, key=lambda item: int(item[0].group(1))):  # type: ignore[union-attr]
+        if leaders[name] or not groups:
+            groups.append([])
+        groups[-1].append(name)
+    return groups
+
+
+def check_index_groups(
+    leaders: Mapping[str, bool], shard_counts: Mapping[str, int], dcp_world_size: int
+) -> None:
+    """The layers of one index group share one K (rule A5): at K = 1 vLLM
+    converts the group's top-k to physical slots once, in its first layer,
+    with that layer's block table, and every later layer reuses it."""
+    for group in index_groups(leaders):
+        counts = {name: shard_counts[name] for name in group}
+        if len(set(counts.values())) > 1:
+            first, other = (
+                group[0],
+                next(n for n in group if counts[n] != counts[group[0]]),
+            )
+            raise DcpGeometryError(
+                f"layers {first!r} (K={counts[first]}) and {other!r} (K="
+                f"{counts[other]}, D={dcp_world_size}) share one sparse top-k "
+                "(an index group: a layer with an indexer and the skip-top-k "
+                "layers after it) but not one K; vLLM reuses the group's "
+                "physical top-k across its layers; give them the same "
+                "dcp_geometry override"
+            )
+
+
 # Application to vLLM specs (vLLM imported lazily) ----------------------------
 
 
@@ -409,8 +452,16 @@ def apply_to_kv_cache_specs(
             dcp_sharded=geometry.dcp_sharded,
             dcp_kv_shard_count=geometry.dcp_kv_shard_count,
         )
-    check_indexer_caches(
-        {name: spec.dcp_shard_count(dcp) for name, spec in result.items()}, dcp
+    shard_counts = {name: spec.dcp_shard_count(dcp) for name, spec in result.items()}
+    check_indexer_caches(shard_counts, dcp)
+    check_index_groups(
+        {
+            name: bool(spec.is_index_group_leader)
+            for name, spec in result.items()
+            if getattr(spec, "topk_buffer_width", None) is not None
+        },
+        shard_counts,
+        dcp,
     )
     return result
 

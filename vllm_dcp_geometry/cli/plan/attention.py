@@ -23,6 +23,7 @@ from vllm_dcp_geometry.layer_classes import (
     DEEPSEEK_V32_INDEXER_CACHE,
     DSA_INDEXER_BACKEND,
     GENERIC_LAYERS,
+    reader_refusal,
 )
 from vllm_dcp_geometry.topology import CacheGroup, Topology, TopologyError
 
@@ -120,6 +121,17 @@ def vllm_selector_refusal(
     )
 
 
+def _reader_refusal(group: CacheGroup, topology: Topology) -> str | None:
+    """Start-up's refusal of a cache whose reader layer (an indexer cache's
+    attention layer) is not the taught class, from the topology's classes."""
+    if group.layer_class is None:
+        return None
+    classes = {
+        layer: group_layer_class(g) for g in topology.groups for layer in g.layers
+    }
+    return reader_refusal(group.layer_class, group.layers[0], classes.get)
+
+
 def group_attention(
     group: CacheGroup,
     index: int,
@@ -149,6 +161,14 @@ def group_attention(
             "attention_backend": backend,
             "attention_mode": "refused",
             "attention_refusal": refusal,
+        }
+    reader = _reader_refusal(group, topology)
+    if reader is not None and spec.dcp_shard_count(dcp) < dcp:
+        return {
+            "layer_class": layer_class,
+            "attention_backend": backend,
+            "attention_mode": "refused",
+            "attention_refusal": f"{group_name(group.layers, index)}: {reader}",
         }
     admission = admit_attention(
         owner=group_name(group.layers, index),

@@ -45,6 +45,7 @@ from typing import Any
 from vllm_dcp_geometry._patching import (
     UpstreamSymbol,
     require_class_path,
+    require_global_call,
     set_item,
     wrap,
 )
@@ -142,6 +143,9 @@ def _make_sparse_attn_indexer(original: Callable[..., Any]) -> Callable[..., Any
 
 def apply(module: ModuleType) -> None:
     require_class_path(module, "DeepseekV32Attention", DEEPSEEK_V32_ATTENTION)
+    require_global_call(
+        module, "DeepseekV32Attention._sparse_indexer_and_attn", "sparse_attn_indexer"
+    )
     wrap(module, "sparse_attn_indexer", _make_sparse_attn_indexer)
     set_item(
         LAYER_BINDERS,

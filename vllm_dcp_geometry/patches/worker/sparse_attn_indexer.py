@@ -4,7 +4,8 @@
 merge counts each shard of a partial indexer cache once.
 
 What: wraps ``_merge_dcp_topk_global`` (the indexer op looks it up as a
-module global at call time, so the registered custom op is covered too).
+module global at call time, so the registered custom op is covered too;
+``apply`` refuses a vLLM whose op no longer does).
 While ``group_context.use_indexer_geometry`` names a partial indexer cache
 (1 < K < D; set by ``patches.worker.deepseek_v32_attention`` around the
 layer's indexer call, which then passes the shard world ``(K, r % K)``), a
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry._patching import UpstreamSymbol, require_global_call, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.group_context import current_indexer_geometry
 
@@ -97,4 +98,5 @@ def _make_merge(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def apply(module: ModuleType) -> None:
+    require_global_call(module, "sparse_attn_indexer", "_merge_dcp_topk_global")
     wrap(module, "_merge_dcp_topk_global", _make_merge)
