@@ -1,22 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""DCP collective bytes per rank per MLA decode step, across real processes.
+"""DCP collective bytes per rank per MLA decode step, across real processes:
+partial groups within their replica (rule A6) versus on the D-wide group.
 
     python -m benchmarks.ranks_traffic               # D = 4 and D = 8
     python -m benchmarks.ranks_traffic --skip-8      # D = 4 only (D = 8 is slow)
     python -m benchmarks.ranks_traffic --baseline    # also unpatched vLLM
 
 For D in {4, 8}, one MLA topology with a group of every K dividing D (K = 1
-replicated, partial K, K = D) runs through ``vllm-dcp-geometry ranks``' own
-launcher (``cli.ranks.run.run_ranks``): D worker processes, vLLM's real
-collectives over gloo on CPU (NCCL on GPUs), every collective through the DCP
-group counted in every rank. Printed per (D, K): the bytes each rank sends
-plus receives in one decode step (the same on every rank), what
-``mla_rank_run.mla_decode_step_bytes`` says vLLM's D-wide all-gather /
-reduce-scatter path moves, and the worst error against the float64 reference.
-Counts, not times: they are exact on any machine. Today a partial group
-(1 < K < D) still runs on the D-wide group, so it moves what K = D moves; a
-replicated group (K = 1) attends locally and moves nothing.
+replicated, partial K, K = D) runs twice through ``vllm-dcp-geometry ranks``'
+own launcher (``cli.ranks.run.run_ranks``), in one invocation: before, with
+partial groups on the D-wide DCP group and duplicate replicas masked
+(``partial_collectives: "dcp"``, the plugin's earlier path); after, within
+their K-rank replica groups (the default). Each run is D worker processes,
+vLLM's real collectives over gloo on CPU (NCCL on GPUs), every collective
+through the DCP and replica groups counted in every rank. Printed per (D, K):
+the bytes each rank sends plus receives in one decode step before and after
+(the same on every rank), what ``collectives.mla_decode_step_bytes`` says
+for the group's collective world, their ratio next to (K - 1)/(D - 1), the
+worst error of each run against the float64 reference, and the two runs'
+wall times as a ratio (after / before; the whole run, every group). Counts
+are exact on any machine; a replicated group (K = 1) attends locally and
+moves nothing; K = D moves what unpatched vLLM moves (``--baseline``).
 
 ``--output FILE`` also writes the rows as JSON.
 """
@@ -68,30 +73,53 @@ def traffic_topology(dcp: int) -> Topology:
 
 def measure(dcp: int, *, baseline: bool, progress: bool) -> list[dict[str, Any]]:
     from vllm_dcp_geometry.cli.ranks.run import run_ranks
+    from vllm_dcp_geometry.collectives import DCP_GROUP, REPLICA
 
     topology = traffic_topology(dcp)
-    patched = run_ranks(topology, patched=True, progress=progress)
+    before = run_ranks(
+        topology, patched=True, progress=progress, partial_collectives=DCP_GROUP
+    )
+    after = run_ranks(
+        topology, patched=True, progress=progress, partial_collectives=REPLICA
+    )
     unpatched = (
         run_ranks(topology, patched=False, progress=progress) if baseline else None
     )
+    wall_ratio = after["elapsed_s"] / before["elapsed_s"]
     rows = []
-    for index, g in enumerate(patched["groups"]):
+    for index, g in enumerate(after["groups"]):
+        b = before["groups"][index]
         u = None if unpatched is None else unpatched["groups"][index]
+        k = g["shard_count"]
+        moved, wide = (
+            g["collective_bytes_per_rank_per_step"],
+            b["collective_bytes_per_rank_per_step"],
+        )
         rows.append(
             {
                 "dcp": dcp,
-                "shard_count": g["shard_count"],
+                "shard_count": k,
                 "attention_mode": g["attention_mode"],
+                "collective_world_size": g["collective_world_size"],
                 "decode_tokens_per_step": g["decode_tokens_per_step"],
-                "bytes_per_rank_per_step": g["collective_bytes_per_rank_per_step"],
+                "bytes_per_rank_per_step": moved,
                 "formula_bytes_per_rank_per_step": g["formula_bytes_per_rank_per_step"],
-                "matches_formula": g["traffic_matches_formula"],
-                "max_abs_error": g["max_abs_error"],
+                "matches_formula": g["traffic_matches_formula"]
+                and b["traffic_matches_formula"],
+                "dcp_group_bytes_per_rank_per_step": wide,
+                "bytes_ratio_vs_dcp_group": None if not wide else moved / wide,
+                "ring_ratio_k_over_d": (k - 1) / (dcp - 1),
+                "attention_work_vs_sharded": g["attention_work_vs_sharded"],
+                "dcp_group_attention_work_vs_sharded": b["attention_work_vs_sharded"],
+                "max_abs_error": max(g["max_abs_error"], g["max_lse_error"] or 0.0),
+                "dcp_group_max_abs_error": max(
+                    b["max_abs_error"], b["max_lse_error"] or 0.0
+                ),
                 "unpatched_bytes_per_rank_per_step": None
                 if u is None
                 else u["collective_bytes_per_rank_per_step"],
                 "unpatched_max_abs_error": None if u is None else u["max_abs_error"],
-                "elapsed_s": patched["elapsed_s"],
+                "wall_time_ratio_after_over_before": round(wall_ratio, 3),
             }
         )
     return rows
@@ -104,17 +132,25 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     def count(value: int | None) -> str:
         return "-" if value is None else f"{value:,}"
 
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
     table = [
         [
             str(r["dcp"]),
             str(r["shard_count"]),
             r["attention_mode"],
+            str(r["collective_world_size"]),
+            count(r["dcp_group_bytes_per_rank_per_step"]),
             count(r["bytes_per_rank_per_step"]),
-            count(r["formula_bytes_per_rank_per_step"]),
             "yes" if r["matches_formula"] else "NO",
+            ratio(r["bytes_ratio_vs_dcp_group"]),
+            ratio(r["ring_ratio_k_over_d"]),
+            f"{r['dcp_group_attention_work_vs_sharded']:g} -> "
+            f"{r['attention_work_vs_sharded']:g}",
+            err(r["dcp_group_max_abs_error"]),
             err(r["max_abs_error"]),
             count(r["unpatched_bytes_per_rank_per_step"]),
-            err(r["unpatched_max_abs_error"]),
         ]
         for r in rows
     ]
@@ -123,15 +159,19 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             "D",
             "K",
             "mode",
-            "bytes/rank/step",
+            "W",
+            "before bytes",
+            "after bytes",
             "formula",
-            "exact",
-            "max err",
+            "after/before",
+            "(K-1)/(D-1)",
+            "work vs K=D",
+            "before err",
+            "after err",
             "unpatched bytes",
-            "unpatched err",
         ],
         table,
-        right={0, 1, 3, 4, 6, 7, 8},
+        right={0, 1, 3, 4, 5, 7, 8, 10, 11, 12},
     )
 
 
@@ -151,11 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     for dcp in worlds:
         rows += measure(dcp, baseline=args.baseline, progress=not args.no_progress)
     print(
-        "MLA decode step: bytes each rank sends + receives through the DCP group "
-        f"({rows[0]['decode_tokens_per_step']} decode tokens, 2 heads per rank, "
-        "latent 256 + rope 64, fp32; counted in every worker process)"
+        "MLA decode step: bytes each rank sends + receives through the DCP and "
+        f"replica groups ({rows[0]['decode_tokens_per_step']} decode tokens, 2 "
+        "heads per rank, latent 256 + rope 64, fp32; counted in every worker "
+        "process); before: partial groups on the D-wide group, after: within "
+        "their K-rank replica"
     )
     print(format_rows(rows))
+    for dcp in worlds:
+        wall = next(r for r in rows if r["dcp"] == dcp)
+        print(
+            f"D = {dcp}: wall time after / before = "
+            f"{wall['wall_time_ratio_after_over_before']:.3f} (one run each)"
+        )
     if args.output is not None:
         args.output.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     return 0 if all(r["matches_formula"] for r in rows) else 1

@@ -7,12 +7,15 @@ loader, initialise vLLM's distributed state over gloo and run every MLA group
 of ``mla-mixed-tp4-dcp4`` (K = D, a partial K and a replicated draft) with
 vLLM's real collectives. Checked: every rank within 1e-5 (fp32) of the float64
 reference, the unpatched baseline wrong for K < D and right for K = D, the
-bytes each rank moves in a decode step exactly vLLM's D-wide all-gather /
-reduce-scatter traffic (``mla_rank_run.mla_decode_step_bytes``, and restated
-here), the KV-write stand-in at the contract's slots, and bad input.
+bytes each rank moves in a decode step exactly the all-gather /
+reduce-scatter traffic of its collective world (``collectives.mla_decode_step_bytes``,
+and restated here): K ranks for a partial group within its replica groups
+(rule A6, made by the workers' start-up code), D ranks on the D-wide group
+(``--partial-collectives dcp``), with the same numerics; the KV-write
+stand-in at the contract's slots, and bad input.
 
-Cost on 2 cores: about 45-60 s for D = 2 with its baseline, 65 s for D = 4;
-the D = 4 unpatched run (75 s) is ``slow``.
+Cost on 2 cores: about 45-60 s for D = 2 with its baseline, 40-65 s for each
+D = 4 run; the D = 4 unpatched run (75 s) is ``slow``.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ import pytest
 
 from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
 from vllm_dcp_geometry.cli.ranks.cases import Shape
+from vllm_dcp_geometry.collectives import collective_bytes, mla_decode_step_bytes
 from vllm_dcp_geometry.contract import reference_slot_mapping
-from vllm_dcp_geometry.mla_rank_run import collective_bytes, mla_decode_step_bytes
 
 pytestmark = pytest.mark.patches(
-    "common.kv_cache_interface", "worker.mla_attention", "worker.utils"
+    "common.kv_cache_interface",
+    "worker.gpu_worker",
+    "worker.mla_attention",
+    "worker.mla_dcp_manager",
+    "worker.utils",
 )
 
 PROFILE = "mla-mixed-tp4-dcp4"
@@ -63,7 +70,7 @@ def _decode_bytes(world: int, tokens: int, shape: Shape) -> int:
     return 2 * (world - 1) * (query + lse) + 2 * (world - 1) * out // world
 
 
-def _check_clean(report: dict[str, Any], dcp: int) -> None:
+def _check_clean(report: dict[str, Any], dcp: int, within_replica: bool = True) -> None:
     assert report["ranks"] == dcp and report["ok"] is True
     assert report["processes"]["count"] == dcp
     assert report["processes"]["plugin_loaded_by_vllm"] == [True] * dcp
@@ -81,8 +88,12 @@ def _check_clean(report: dict[str, Any], dcp: int) -> None:
         assert dcp % k == 0
         mode = "local" if k == 1 else "dcp" if k == dcp else "dcp-partial"
         assert g["attention_mode"] == mode
-        # Partial groups still use vLLM's D-wide group (today's path).
-        world = 1 if k == 1 else dcp
+        # Rule A6: a partial group's collectives span its K-rank replica
+        # (or, kept on the DCP group, all D ranks).
+        world = 1 if k == 1 else k if within_replica else dcp
+        assert g["collective_world_size"] == world, g
+        assert g["collective_worlds_seen"] == ([] if world == 1 else [world]), g
+        assert g["attention_work_vs_sharded"] == world / k
         expected = _decode_bytes(world, g["decode_tokens_per_step"], Shape())
         assert g["collective_bytes_by_rank"] == [expected] * dcp, g
         assert g["collective_bytes_per_rank_per_step"] == expected
@@ -122,8 +133,48 @@ def test_four_ranks_clean_with_receipt(capsys: Any, tmp_path: Path) -> None:
     assert code == EXIT_OK
     _check_clean(report, 4)
     assert {g["shard_count"] for g in report["groups"]} == {4, 2, 1}
+    assert report["partial_collectives"] == "replica"
+    assert report["replica_groups"] == [2]
     written = json.loads(receipt.read_text())
     assert written["command"] == "ranks" and written["ok"] is True
+
+
+def test_partial_group_traffic_within_its_replica_versus_the_dcp_group(
+    capsys: Any,
+) -> None:
+    """The same four ranks with the partial group kept on the D-wide group:
+    identical numerics (both within 1e-5), D-rank traffic; within its
+    replica the group moves exactly the K-rank formula's bytes, below the
+    D-wide figure; the K = D and K = 1 groups move the same either way."""
+    code, wide = _ranks(capsys, "--partial-collectives", "dcp")
+    assert code == EXIT_OK
+    _check_clean(wide, 4, within_replica=False)
+    assert wide["replica_groups"] == []
+    code, within = _ranks(capsys)
+    assert code == EXIT_OK
+    _check_clean(within, 4)
+    by_name = {g["name"]: g for g in wide["groups"]}
+    for g in within["groups"]:
+        other = by_name[g["name"]]
+        if g["shard_count"] == 2:
+            tokens = g["decode_tokens_per_step"]
+            assert g["collective_bytes_per_rank_per_step"] == _decode_bytes(
+                2, tokens, Shape()
+            )
+            assert other["collective_bytes_per_rank_per_step"] == _decode_bytes(
+                4, tokens, Shape()
+            )
+            assert (
+                g["collective_bytes_per_rank_per_step"]
+                < other["collective_bytes_per_rank_per_step"] / 2
+            )
+            assert g["attention_work_vs_sharded"] == 1.0
+            assert other["attention_work_vs_sharded"] == 2.0
+        else:
+            assert (
+                g["collective_bytes_per_rank_per_step"]
+                == other["collective_bytes_per_rank_per_step"]
+            )
 
 
 @pytest.mark.slow

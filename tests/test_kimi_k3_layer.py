@@ -35,7 +35,10 @@ from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import DcpGeometryError, local_seq_len
 
 pytestmark = pytest.mark.patches(
-    "worker.kimi_k3_mla", "worker.mla_attention", "worker.utils"
+    "worker.kimi_k3_mla",
+    "worker.mla_attention",
+    "worker.mla_dcp_manager",
+    "worker.utils",
 )
 
 TOLERANCE = 1e-5
@@ -138,8 +141,9 @@ def test_kimi_k3_layer_matches_single_device(
     report = run_kimi_case(dcp, shard_count, interleave, patched=True)
     for key in ("decode_out", "prefill_out", "decode_lse", "context_lse"):
         assert report[key] <= TOLERANCE, (key, report)
-    # The layer's own DCP gate: 1 for a replicated group, D otherwise.
-    gate = 1 if shard_count == 1 else dcp
+    # The layer's own DCP gate: 1 for a replicated group, K for a partial
+    # one within its replica (rule A6), D for a sharded one.
+    gate = shard_count
     assert report["layer_dcp_world_sizes"] == [gate] * dcp
     for rank, lengths in enumerate(report["decode_seq_lens"]):
         shard = rank % shard_count
@@ -147,6 +151,15 @@ def test_kimi_k3_layer_matches_single_device(
             local_seq_len(c + n, B, shard_count, interleave, shard)
             for c, n in CPU.requests[: CPU.num_decodes]
         ], rank
+
+
+def test_kimi_k3_partial_group_on_the_dcp_group_matches_single_device() -> None:
+    """``partial_collectives: "dcp"``: the layer gates on D, gathers over all
+    D ranks and its combine masks duplicate replicas; exact too."""
+    report = run_kimi_case(4, 2, 1, patched=True, partial_collectives="dcp")
+    for key in ("decode_out", "prefill_out", "decode_lse", "context_lse"):
+        assert report[key] <= TOLERANCE, (key, report)
+    assert report["layer_dcp_world_sizes"] == [4] * 4
 
 
 def test_kimi_k3_layer_without_its_binder_is_refused() -> None:

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """The MLA builder and impls of every rank follow the group's K: the full grid
-D in {2, 4, 8}, every K dividing D, I in {1, B}, on real TRITON_MLA builders
-made by ``AttentionGroup.create_metadata_builders`` (no kernel runs).
+D in {2, 4, 8}, every K dividing D, I in {1, B}, partial groups within their
+replica and on the D-wide group, on real TRITON_MLA builders made by
+``AttentionGroup.create_metadata_builders`` (no kernel runs).
 
 About 25 s on 2 cores.
 """
@@ -26,7 +27,9 @@ from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
 from vllm_dcp_geometry.mla_geometry import ShardWorldForwardMqa
 
-pytestmark = pytest.mark.patches("worker.mla_attention", "worker.utils")
+pytestmark = pytest.mark.patches(
+    "worker.mla_attention", "worker.mla_dcp_manager", "worker.utils"
+)
 
 GRID = [
     (dcp, k, interleave)
@@ -57,8 +60,20 @@ def _check_context_plan(metadata, k: int, interleave: int, rows: int) -> None:
         assert all(start % interleave == 0 for start in chunk.local_starts)
 
 
-@pytest.mark.parametrize(("dcp", "k", "interleave"), GRID)
-def test_builder_follows_the_group(dcp: int, k: int, interleave: int) -> None:
+# A partial group both within its replica and kept on the D-wide group.
+CASES = [(*case, "replica") for case in GRID] + [
+    (dcp, k, interleave, "dcp") for dcp, k, interleave in GRID if 1 < k < dcp
+]
+
+
+@pytest.mark.parametrize(("dcp", "k", "interleave", "where"), CASES)
+def test_builder_follows_the_group(
+    dcp: int, k: int, interleave: int, where: str
+) -> None:
+    """``where``: a partial group within its replica (rule A6: vLLM's builder
+    for K sharded ranks on the replica group) or on the D-wide group."""
+    within = where == "replica" and 1 < k < dcp
+    world = k if within else dcp
     batch = make_batch(dcp, k, seed=dcp + k)
     seq_lens = [c + n for c, n in CPU.requests]
     decode_lens = seq_lens[: CPU.num_decodes]
@@ -70,6 +85,7 @@ def test_builder_follows_the_group(dcp: int, k: int, interleave: int) -> None:
             interleave,
             spec=mla_spec(None if k == dcp else k),
             coop=CooperativeRanks(dcp),
+            partial_collectives=where,
         )
         for rank in ranks:
             builder, impl = rank.builder, rank.layer.impl
@@ -92,15 +108,23 @@ def test_builder_follows_the_group(dcp: int, k: int, interleave: int) -> None:
                 assert metadata.prefill.chunked_context.chunks[0].local_starts is None
                 assert (impl.dcp_world_size, impl.dcp_rank) == (1, 0)
             else:
-                assert builder.dcp_world_size == dcp
-                assert builder.chunked_prefill_workspace.shape[0] == rows + rows // dcp
+                assert builder.dcp_world_size == world
+                assert builder.chunked_prefill_workspace.shape[0] == (
+                    rows + rows // world
+                )
                 assert decode.dcp_tot_seq_lens.tolist() == decode_lens
                 bound = cdiv(max(seq_lens), k * interleave) * interleave
                 assert metadata.max_seq_len == bound
-                _check_context_plan(metadata, k, interleave, rows // dcp)
-                assert impl.dcp_world_size == dcp
+                _check_context_plan(metadata, k, interleave, rows // world)
+                assert impl.dcp_world_size == world
+                manager = rank.layer.dcp_manager
+                assert builder.dcp_manager is manager
+                group = manager.group
+                assert (group.world_size, group.rank_in_group) == (
+                    (k, shard) if within else (dcp, rank.rank)
+                )
             combine = rank.layer.dcp_manager.combine
-            if 1 < k < dcp:
+            if 1 < k < dcp and not within:
                 assert isinstance(combine, ReplicaMaskedCombine)
                 assert combine.replica == replica
             else:

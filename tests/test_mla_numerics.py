@@ -9,8 +9,11 @@ decode kernel (interpreted), the ``cpu_sdpa`` prefill backend, the chunked
 prefill-context path with its KV all-gather, ``correct_attn_out``
 (interpreted) and ``merge_attn_states``. One batch holds decodes over long and
 short contexts, chunked-prefill continuations, a block-aligned prefix-cache
-hit and a prefill without context. The same cases on unpatched vLLM (a fresh
-process) show the error the plugin removes.
+hit and a prefill without context. Partial groups run within simulated
+replica groups (rule A6, the default) and, in a second set, on the D-wide
+group with duplicate replicas masked (``partial_collectives: "dcp"``). The
+same cases on unpatched vLLM (a fresh process) show the error the plugin
+removes.
 
 Cost on 2 cores: about 70 s for the patched cases, 30 s for the baseline.
 """
@@ -23,7 +26,9 @@ from tests.support.mla import CPU, run_case
 from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import local_seq_len
 
-pytestmark = pytest.mark.patches("worker.mla_attention", "worker.utils")
+pytestmark = pytest.mark.patches(
+    "worker.mla_attention", "worker.mla_dcp_manager", "worker.utils"
+)
 
 TOLERANCE = 1e-5
 B = CPU.block_size
@@ -60,18 +65,39 @@ def test_mla_group_matches_single_device(
         ]
         assert lengths == expected, (rank, lengths, expected)
     if (dcp, shard_count, interleave) == (8, 2, 1):
-        assert min(report["chunks"]) >= 3, report["chunks"]
+        # Within its replica a chunk holds the whole N-row budget.
+        assert max(report["chunks"]) <= 2, report["chunks"]
     assert CPU.max_model_len >= max(c + n for c, n in CPU.requests)
+
+
+@pytest.mark.parametrize(
+    ("dcp", "shard_count", "interleave"), [(4, 2, 1), (8, 2, 1), (8, 4, B)]
+)
+def test_partial_group_on_the_dcp_group_matches_single_device(
+    dcp: int, shard_count: int, interleave: int
+) -> None:
+    """``partial_collectives: "dcp"``: the D-wide gather and masked combine
+    are exact too; its context chunks shrink to N*K/D rows."""
+    report = run_case(
+        dcp, shard_count, interleave, patched=True, partial_collectives="dcp"
+    )
+    for key in ("decode_out", "prefill_out", "decode_lse", "context_lse"):
+        assert report[key] <= TOLERANCE, (key, report)
+    if (dcp, shard_count, interleave) == (8, 2, 1):
+        assert min(report["chunks"]) >= 3, report["chunks"]
 
 
 def test_all_to_all_combine_reads_the_partial_group() -> None:
     """``dcp_comm_backend="a2a"``: vLLM's all-to-all LSE combine (its Triton
     pack and combine kernels, interpreted) on a partial group. It returns no
     LSE, so the decode output and the context LSE are what can be checked."""
-    report = run_case(4, 2, 1, patched=True, comm_backend="a2a")
-    assert report["decode_lse"] is None
-    for key in ("decode_out", "prefill_out", "context_lse"):
-        assert report[key] <= TOLERANCE, (key, report)
+    for where in ("replica", "dcp"):
+        report = run_case(
+            4, 2, 1, patched=True, comm_backend="a2a", partial_collectives=where
+        )
+        assert report["decode_lse"] is None
+        for key in ("decode_out", "prefill_out", "context_lse"):
+            assert report[key] <= TOLERANCE, (where, key, report)
 
 
 BASELINE = """

@@ -34,7 +34,9 @@ from tests.support.mla import (
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry, local_seq_len
 from vllm_dcp_geometry.mla_geometry import check_context_workspace
 
-pytestmark = pytest.mark.patches("worker.mla_attention", "worker.utils")
+pytestmark = pytest.mark.patches(
+    "worker.mla_attention", "worker.mla_dcp_manager", "worker.utils"
+)
 
 
 def _refused(k: int, dcp: int = 4, rank: int = 1, **kwargs: Any) -> str:
@@ -168,7 +170,8 @@ def test_flashinfer_mla_kernel_gets_the_groups_cp_world(k: int, rank: int) -> No
             backend_name="FLASHINFER_MLA", coop=CooperativeRanks(dcp), only=[rank],
         )  # fmt: skip
         metadata = built.builder.build(0, common_metadata(batch, dcp, rank, 1))
-        heads = 2 * (1 if k == 1 else dcp)
+        # The query gathered over the group's collective world (its replica).
+        heads = 2 * k
         query = torch.zeros(CPU.num_decodes, heads, 256 + 64)
         built.layer.impl.forward_mqa(query, built.kv_cache, metadata, built.layer)
     (call,) = calls
@@ -184,6 +187,7 @@ def test_flashinfer_mla_kernel_gets_the_groups_cp_world(k: int, rank: int) -> No
     assert (call["cp_world"], call["cp_rank"]) == (k, shard)
     assert call["causal_seqlens_kv_global"].tolist() == seq_lens
     assert call["max_seq_len"] >= max(local)
-    # The impl itself keeps its D-wide values for the layer around it.
+    # The impl runs in the group's collective world: the replica's (K, r % K)
+    # for a partial group (rule A6), vLLM's (D, r) at K = D.
     impl = built.layer.impl
-    assert (impl.dcp_world_size, impl.dcp_rank) == (dcp, rank)
+    assert (impl.dcp_world_size, impl.dcp_rank) == (k, shard)

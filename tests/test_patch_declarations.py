@@ -275,7 +275,7 @@ def channel_problems(channels: Any) -> list[str]:
 def test_every_side_channel_has_both_ends() -> None:
     from vllm_dcp_geometry.group_context import CHANNELS
 
-    assert len(CHANNELS) == 4
+    assert len(CHANNELS) == 5
     assert channel_problems(CHANNELS) == []
 
 
@@ -377,8 +377,10 @@ def test_the_rest_applies_without_each_removal_group() -> None:
             PREFIX + p
             for p in (
                 "worker.flashmla_sparse",
+                "worker.gpu_worker",
                 "worker.kimi_k3_mla",
                 "worker.mla_attention",
+                "worker.mla_dcp_manager",
                 "worker.sparse_mla_attention",
             )
         )
@@ -388,8 +390,8 @@ def test_the_rest_applies_without_each_removal_group() -> None:
         PREFIX + "worker.sparse_attn_indexer",
     )
     assert mla in groups and indexer in groups
-    # The two runner pairs, the MLA four and the indexer pair; the rest alone.
-    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 3 - 1
+    # The two runner pairs, the MLA six and the indexer pair; the rest alone.
+    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 5 - 1
     for group in groups:
         result = run_fresh_python(
             ["-c", CPU_PRELUDE + WITHOUT_A_GROUP, json.dumps(group)],

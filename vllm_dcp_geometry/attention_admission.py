@@ -11,8 +11,10 @@ matter, one of:
   plain single-device attention: no query all-gather, no LSE combine.
 - ``dcp``: K = D. vLLM's own DCP attention, untouched.
 - ``dcp-partial``: 1 < K < D. The backend reads the rank's shard ``r % K``
-  with the group's local lengths and combines exactly (duplicate replicas
-  weigh 0).
+  with the group's local lengths and combines exactly: a dense MLA backend
+  within the rank's K-rank replica group (rule A6,
+  ``collectives_within_replica``), the others over the D-wide DCP group with
+  duplicate replicas weighing 0.
 - ``refused``: the layer class or the backend cannot honour K; ``reason`` is
   the one-line start-up error naming the group, layer, layer class, backend,
   K and D.
@@ -82,11 +84,28 @@ class TaughtBackend:
     kind). The sparse backends' top-k comes from their layer's indexer call,
     which only the taught DeepSeek-V3.2 layer hands the group's K."""
 
+    @property
+    def replica_collectives(self) -> bool:
+        """Whether a partial group on it runs its collectives within its
+        K-rank replica (rule A6): the dense MLA builders, whose patch binds
+        the replica group; every other backend stays on the D-wide group."""
+        return self.patch == _MLA_PATCH
+
 
 _BACKENDS = "vllm.v1.attention.backends."
 _MLA_PATCH = "worker.mla_attention"
 _SPARSE_PATCH = "worker.sparse_mla_attention"
 _SPARSE_LAYERS = frozenset({DEEPSEEK_V32_ATTENTION})
+
+
+def collectives_within_replica(backend: str | None) -> bool:
+    """Rule A6 for a backend name: its partial groups collective within
+    their replica (``TaughtBackend.replica_collectives``) where the operator
+    keeps the default ``partial_collectives``."""
+    taught = TAUGHT_BACKENDS.get(backend or "")
+    return taught is not None and taught.replica_collectives
+
+
 TAUGHT_BACKENDS: dict[str, TaughtBackend] = {
     "FLASH_ATTN": TaughtBackend(
         AttentionKind.ATTENTION,

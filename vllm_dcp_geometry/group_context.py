@@ -8,7 +8,7 @@ that needs a group's geometry is called from deep inside another upstream
 function, with no argument to carry it, the wrapper of the outer function sets
 a context variable for the duration of the upstream call and the wrapper of
 the inner one reads it. Outside those calls every channel is empty and the
-inner wrappers hand straight back to upstream. There are exactly four:
+inner wrappers hand straight back to upstream. There are exactly five:
 
 ``use_group_geometry`` / ``current_group_geometry``
     Set by the attention metadata builder patches while a group's upstream
@@ -23,6 +23,18 @@ inner wrappers hand straight back to upstream. There are exactly four:
     partial group's prefill context over K shards. Why: upstream builders
     take the DCP world from the process group, never from the spec they are
     built for.
+
+``use_replica_group`` / ``current_replica_group``
+    Set by the MLA builder patch while a partial group whose collectives stay
+    within its replica (rule A6) is bound and its upstream builder code runs
+    (``MLACommonMetadataBuilder.__init__`` and ``.build``), and by the layer
+    binding while it makes the layer's replica ``MLADCPManager``. Read by the
+    MLA module's and the DCP ops module's ``get_dcp_group``, which then
+    answer the group's replica ``GroupCoordinator`` (K ranks), by
+    ``build_mla_chunked_context_metadata`` (which then plans as for a
+    sharded group of K) and by the MLA layer binding. Why: upstream's MLA
+    builder and DCP manager take their collective group from
+    ``get_dcp_group()``, which has no notion of a group's replica.
 
 ``pending_block_table_layout`` / ``pending_layout``
     Set by Model Runner V1's ``may_reinitialize_input_batch``; read by
@@ -59,7 +71,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm_dcp_geometry.contract import GroupGeometry
@@ -107,7 +119,7 @@ CHANNELS: tuple[SideChannel, ...] = (
         "`get_dcp_local_seq_lens`) answer the group's `(K, r % K)`; MLA's "
         "`get_dcp_group` a world of 1 (K = 1), its DSpark check runs as at "
         "DCP 1, and its `build_mla_chunked_context_metadata` plans over K shards",
-        via=("metadata_builders.builder_init", "mla_geometry.make_local_group_getter"),
+        via=("metadata_builders.builder_init", "mla_geometry.make_group_getter"),
     ),
     SideChannel(
         "pending_block_table_layout",
@@ -135,6 +147,18 @@ CHANNELS: tuple[SideChannel, ...] = (
         "indexer cache is partial",
         "`_merge_dcp_topk_global` (all-gathering over D) drops duplicate "
         "replicas' candidates",
+    ),
+    SideChannel(
+        "use_replica_group",
+        "current_replica_group",
+        ("worker.mla_attention",),
+        ("worker.mla_attention", "worker.mla_dcp_manager"),
+        "the MLA builder of a partial group whose collectives stay within its "
+        "replica, while it is bound and built",
+        "MLA's and the DCP ops' `get_dcp_group` answer the replica group (K "
+        "ranks), the context chunks are planned as for K sharded ranks, and the "
+        "layer binding gives the layer a replica DCP manager",
+        via=("mla_geometry.bind_mla_layer", "mla_geometry.make_group_getter"),
     ),
 )
 """Every side channel: the README's side-channel table is made from these."""
@@ -174,6 +198,28 @@ def use_group_geometry(geometry: GroupGeometry) -> Iterator[GroupGeometry]:
 def current_group_geometry() -> GroupGeometry | None:
     """The group whose builder code is running, or None outside one."""
     return _active_group.get()
+
+
+_active_replica: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "vllm_dcp_geometry_active_replica_group", default=None
+)
+
+
+@contextlib.contextmanager
+def use_replica_group(coordinator: Any) -> Iterator[Any]:
+    """Make ``coordinator`` (a partial group's replica ``GroupCoordinator``)
+    the collective group the patched MLA helpers answer, for the duration of
+    one binding or upstream builder call."""
+    token = _active_replica.set(coordinator)
+    try:
+        yield coordinator
+    finally:
+        _active_replica.reset(token)
+
+
+def current_replica_group() -> Any:
+    """The replica group of the partial MLA group being built, or None."""
+    return _active_replica.get()
 
 
 _active_indexer: contextvars.ContextVar[GroupGeometry | None] = contextvars.ContextVar(

@@ -14,12 +14,13 @@ No vLLM import at module level.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.group_context import use_group_geometry
+from vllm_dcp_geometry.group_context import use_group_geometry, use_replica_group
 from vllm_dcp_geometry.group_geometry import (
     BOUND_GEOMETRY_ATTR,
     resolve_group_geometry,
@@ -33,6 +34,11 @@ if TYPE_CHECKING:
 
 LOCAL_SEQ_LENS_BUFFER_ATTR = "_vllm_dcp_geometry_local_seq_lens"
 """A partial group's builder: persistent buffer of the group's local lengths."""
+
+
+REPLICA_GROUP_ATTR = "_vllm_dcp_geometry_replica_group"
+"""A builder of a partial group within its replica: the replica's
+``GroupCoordinator``."""
 
 
 FinishBuilder = Callable[[Any, GroupGeometry, Any, Any], None]
@@ -49,12 +55,18 @@ class BuilderTeaching:
     where it asks the DCP process group. ``finish``: the backend's own steps
     after upstream constructed it. ``admit_vllm_default``: admit vLLM's own
     K = D too (FlashAttention, whose DCP path drops features).
+    ``replica_group(geometry, vllm_config)``: the replica ``GroupCoordinator``
+    a partial group's collectives stay within (rule A6), or None (D-wide);
+    with one, the group's layers are bound first, and the binding, the
+    constructor and ``finish`` run in the group and its replica
+    (``use_replica_group``).
     """
 
     mla: bool
     construct_in_group: Callable[[GroupGeometry], bool]
     finish: FinishBuilder | None = None
     admit_vllm_default: bool = False
+    replica_group: Callable[[GroupGeometry, Any], Any] | None = None
 
 
 def builder_init(
@@ -104,6 +116,23 @@ def builder_init(
                     admit(geometry)
                 return
             admit(geometry)
+            replica = None
+            if teaching.replica_group is not None and geometry.is_partial:
+                replica = teaching.replica_group(geometry, vllm_config)
+            if replica is not None:
+                # The layers' replica managers must exist before upstream's
+                # constructor hands the first one its KV-gather workspace.
+                with use_replica_group(replica):
+                    bind_group_layers(
+                        vllm_config, layer_names, geometry, mla=teaching.mla
+                    )
+                    with use_group_geometry(geometry):
+                        construct()
+                    if teaching.finish is not None:
+                        teaching.finish(self, geometry, vllm_config, device)
+                setattr(self, REPLICA_GROUP_ATTR, replica)
+                setattr(self, BOUND_GEOMETRY_ATTR, geometry)
+                return
             if teaching.construct_in_group(geometry):
                 with use_group_geometry(geometry):
                     construct()
@@ -196,7 +225,8 @@ def make_partial_group_build(
     """Wrap a metadata builder's ``build`` (FlashInfer, MLA) for partial
     groups; upstream's own where the builder's group is not partial.
 
-    A partial group's build runs upstream's on a copy of the common metadata
+    A partial group's build runs upstream's (within its replica group where
+    it has one, ``REPLICA_GROUP_ATTR``) on a copy of the common metadata
     with the group's local lengths (``with_group_local_seq_lens``) and the
     fields ``adjust(common_attn_metadata, geometry)`` returns, with the group
     active (``use_group_geometry``) for the module helpers upstream calls
@@ -213,12 +243,17 @@ def make_partial_group_build(
         geometry = bound_partial_geometry(self)
         if geometry is None:
             return original(self, common_prefix_len, common_attn_metadata, fast_build)
-        changes = {} if adjust is None else adjust(common_attn_metadata, geometry)
-        group_metadata = with_group_local_seq_lens(
-            self, common_attn_metadata, geometry, **changes
+        replica = getattr(self, REPLICA_GROUP_ATTR, None)
+        within = (
+            contextlib.nullcontext() if replica is None else use_replica_group(replica)
         )
-        with use_group_geometry(geometry):
-            metadata = original(self, common_prefix_len, group_metadata, fast_build)
+        with within:
+            changes = {} if adjust is None else adjust(common_attn_metadata, geometry)
+            group_metadata = with_group_local_seq_lens(
+                self, common_attn_metadata, geometry, **changes
+            )
+            with use_group_geometry(geometry):
+                metadata = original(self, common_prefix_len, group_metadata, fast_build)
         if finish is not None:
             finish(metadata, common_attn_metadata)
         return metadata

@@ -13,9 +13,17 @@ group with K shards reads its cache with K:
 - K = 1 (``local``): the builder is constructed in the world (1, 0) - full
   lengths, workspace N, no KV gather, the DCP1 prefill-context path - and the
   impls run plain local attention (no query all-gather, no combine).
-- 1 < K < D (``dcp-partial``): builder and impls keep the D-wide query
-  all-gather, combine and context KV all-gather (the only collectives the DCP
-  group has), but decode reads the group's local lengths (``(K, r % K)``),
+- 1 < K < D (``dcp-partial``) within its replica (rule A6, the default):
+  builder, impls and layers run as a sharded group of world K on the
+  replica's ``GroupCoordinator`` (``replica_groups``): the builder is
+  constructed with ``get_dcp_group`` answering the replica (workspace
+  N + N/K, context chunks over K, decode bound over K), every layer gets a
+  replica ``MLADCPManager`` (query all-gather, combine and context KV gather
+  over K ranks, made by vLLM's own constructor with the layer's own
+  arguments) and its impl runs with ``(K, r % K)``; nothing is masked.
+- 1 < K < D on the D-wide DCP group (``partial_collectives: "dcp"``):
+  builder and impls keep the D-wide query all-gather, combine and context KV
+  all-gather, but decode reads the group's local lengths (``(K, r % K)``),
   the context chunks are planned over K shards within a row budget the
   D-wide gather fits, duplicate replicas (``r // K != 0``) weigh 0 in the
   combine, and kernels that take ``cp_world_size``/``cp_rank`` get
@@ -31,7 +39,11 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry, cdiv
-from vllm_dcp_geometry.group_context import current_group_geometry
+from vllm_dcp_geometry.group_context import (
+    current_group_geometry,
+    current_replica_group,
+    use_replica_group,
+)
 from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR, check_rebind
 from vllm_dcp_geometry.impl_binding import make_impl_local, mask_combine
 
@@ -58,12 +70,18 @@ class ShardWorldGroup:
         )
 
 
-def make_local_group_getter(original: Callable[[], Any]) -> Callable[[], Any]:
-    """Wrapper factory for an MLA module's ``get_dcp_group``: a world of 1
-    (``ShardWorldGroup``) while a replicated group's builder is being built
-    (``group_context.use_group_geometry``), upstream's group otherwise."""
+def make_group_getter(original: Callable[[], Any]) -> Callable[[], Any]:
+    """Wrapper factory for a module's ``get_dcp_group`` (MLA's, the DCP
+    ops'): the partial group's replica ``GroupCoordinator`` while one is
+    bound or built within its replica (``group_context.use_replica_group``),
+    a world of 1 (``ShardWorldGroup``) while a replicated group's builder is
+    being built (``group_context.use_group_geometry``), upstream's group
+    otherwise."""
 
     def get_dcp_group() -> Any:
+        replica = current_replica_group()
+        if replica is not None:
+            return replica
         geometry = current_group_geometry()
         if geometry is None or not geometry.is_replicated:
             return original()
@@ -108,9 +126,41 @@ class ShardWorldForwardMqa:
             ) = saved
 
 
+MANAGER_ARGS_ATTR = "_vllm_dcp_geometry_init_args"
+"""Set on every ``MLADCPManager`` (by ``worker.mla_dcp_manager``) to the
+``(args, kwargs)`` its layer constructed it with."""
+
+
+def replica_manager(manager: Any, replica: Any, what: str) -> Any:
+    """A layer's ``MLADCPManager`` for its replica group: vLLM's own
+    constructor with the arguments the layer gave ``manager``, while
+    ``get_dcp_group`` answers ``replica``, so its query gather, combine and
+    KV gather (and any symmetric-memory workspace vLLM picks) span the K
+    ranks of the replica."""
+    recorded = getattr(manager, MANAGER_ARGS_ATTR, None)
+    if recorded is None:
+        raise DcpGeometryError(
+            f"{what}: its MLADCPManager was made without "
+            "vllm_dcp_geometry.patches.worker.mla_dcp_manager applied, so it "
+            "cannot be remade for the group's replica"
+        )
+    args, kwargs = recorded
+    with use_replica_group(replica):
+        twin = type(manager)(*args, **kwargs)
+    if twin.group is not replica:
+        raise DcpGeometryError(
+            f"{what}: the replica MLADCPManager took {twin.group!r}, not the "
+            "replica group (vLLM's DCP ops no longer ask get_dcp_group)"
+        )
+    return twin
+
+
 def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
     """Give an MLA layer's impl (built with the model) its group's geometry;
-    idempotent for the same geometry, an error for another."""
+    idempotent for the same geometry, an error for another. A partial group
+    bound within its replica (``group_context.current_replica_group``) gets
+    a replica DCP manager and runs with the replica's world; otherwise its
+    D-wide combine is replica-masked."""
     impl = layer.impl
     what = f"the MLA attention impl of layer {layer_name}"
     if check_rebind(impl, geometry, what):
@@ -124,7 +174,13 @@ def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None
                 f"{geometry.describe()}: {what} runs with a DCP world size of "
                 f"{impl.dcp_world_size}, not the group's D"
             )
-        manager.combine = mask_combine(manager.combine, geometry.replica)
+        replica = current_replica_group()
+        if replica is not None:
+            layer.dcp_manager = replica_manager(manager, replica, what)
+            impl.dcp_world_size, impl.dcp_rank = geometry.shard_world
+            impl.total_cp_world_size, impl.total_cp_rank = geometry.shard_world
+        else:
+            manager.combine = mask_combine(manager.combine, geometry.replica)
     impl.forward_mqa = ShardWorldForwardMqa(impl, impl.forward_mqa, geometry)
     setattr(impl, BOUND_GEOMETRY_ATTR, geometry)
 
@@ -145,11 +201,14 @@ CHUNK_PLANNER_PARAMETERS = (
 def context_row_budget(workspace_rows: int, geometry: GroupGeometry) -> int:
     """Context rows (all K shards together) one chunk may hold.
 
-    The layer's ``MLADCPManager`` all-gathers every rank's local rows over the
-    D-rank DCP group into the N-row half of the N + N/D workspace, so a rank
-    may gather at most N/D local rows per chunk; K shards of N/D rows each
-    make N*K/D context rows.
+    Within its replica the group is a sharded group of K: N rows. On the
+    D-wide group the layer's ``MLADCPManager`` all-gathers every rank's local
+    rows over the D-rank DCP group into the N-row half of the N + N/D
+    workspace, so a rank may gather at most N/D local rows per chunk; K
+    shards of N/D rows each make N*K/D context rows.
     """
+    if current_replica_group() is not None:
+        return workspace_rows
     d = geometry.dcp_world_size
     if workspace_rows % d:
         raise DcpGeometryError(
@@ -189,6 +248,15 @@ def group_context_chunk_kwargs(
         kwargs["dcp_local_block_size"],
         kwargs["dcp_virtual_block_size"],
     )
+    if current_replica_group() is not None:
+        # Built in its replica's world: upstream's plan for K sharded ranks.
+        if seen != (k, i, i * k):
+            raise DcpGeometryError(
+                f"{geometry.describe()}: the MLA builder of a group within its "
+                f"replica planned its context with (D, I, I*D)={seen}, not the "
+                f"replica's (K={k}, I={i})"
+            )
+        return kwargs
     if seen != (d, i, i * d):
         raise DcpGeometryError(
             f"{geometry.describe()}: the MLA builder planned its context with "

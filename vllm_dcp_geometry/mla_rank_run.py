@@ -8,9 +8,10 @@
   against the contract's slot mapping by the suite;
 - ``mla_reference``: float64 single-device MLA attention, what every rank's
   output and LSE are held to, and ``max_error``;
-- the collective traffic model: the bytes one rank sends and receives in one
-  collective (``collective_bytes``) and, from it, what vLLM 0.33.0's D-wide
-  MLA decode step moves per rank (``mla_decode_step_bytes``).
+- ``build_mla_layer`` and ``write_deepseek_config``: one rank's real MLA
+  layer over a weightless DeepSeek-shaped config.
+
+The traffic model the runs are held to lives in ``collectives``.
 
 Used by ``vllm-dcp-geometry ranks`` (in its worker processes) and by the test
 suite's simulated ranks (``tests.support.mla``). torch is imported inside the
@@ -134,80 +135,6 @@ def max_error(got: Any, want: Any) -> float:
     if not finite.any():
         return 0.0
     return float((got[finite] - want[finite]).abs().max().item())
-
-
-# Collective traffic --------------------------------------------------------------
-
-COLLECTIVES = (
-    "all_gather",
-    "reduce_scatter",
-    "all_reduce",
-    "all_gather_into_tensor",
-    "all_to_all_single",
-)
-"""The collectives ``collective_bytes`` models."""
-
-
-def collective_bytes(op: str, world_size: int, input_bytes: int) -> int:
-    """Bytes one rank sends plus receives in one ``op`` over ``world_size``
-    ranks, given the bytes of its input (ring algorithms, as NCCL and gloo
-    run them; a one-rank group moves nothing):
-
-    - ``all_gather`` / ``all_gather_into_tensor`` of n bytes per rank: the rank
-      sends and receives (W - 1) * n, so 2 (W - 1) n;
-    - ``reduce_scatter`` of N bytes (each rank keeps N / W) and
-      ``all_to_all_single`` of N bytes: (W - 1) N / W each way, 2 (W - 1) N / W;
-    - ``all_reduce`` of N bytes (a reduce-scatter then an all-gather):
-      4 (W - 1) N / W.
-    """
-    if op not in COLLECTIVES:
-        raise ValueError(f"unknown collective {op!r}; one of {COLLECTIVES}")
-    w = world_size
-    if w <= 1:
-        return 0
-    if op in ("all_gather", "all_gather_into_tensor"):
-        return 2 * (w - 1) * input_bytes
-    if input_bytes % w:
-        raise ValueError(f"{op} of {input_bytes} bytes does not split over {w} ranks")
-    share = input_bytes // w
-    if op == "all_reduce":
-        return 4 * (w - 1) * share
-    return 2 * (w - 1) * share
-
-
-def mla_decode_step_bytes(
-    world_size: int,
-    *,
-    tokens: int,
-    heads_per_rank: int,
-    kv_lora_rank: int,
-    rope_dim: int,
-    dtype_bytes: int,
-    lse_bytes: int = 4,
-) -> int:
-    """Bytes one rank sends plus receives through the DCP group of
-    ``world_size`` ranks in one MLA decode step of ``tokens`` decode tokens
-    on vLLM 0.33.0's all-gather/reduce-scatter path (``dcp_comm_backend``
-    ``ag_rs``), as ``collective_bytes`` counts them:
-
-    - the query all-gather: each rank's [T, h, L + R] latent queries;
-    - the LSE all-gather of the combine: each rank's [T, W h] float32 LSEs;
-    - the output reduce-scatter: [T, W h, L] partial outputs, each rank
-      keeping [T, h, L].
-
-    Total 2 (W - 1) T (h (L + R) e + W h l + h L e) for element size e and
-    LSE size l; 0 for W = 1 (local attention). A partial group on vLLM's
-    D-wide group moves the same as a sharded one: W = D.
-    """
-    t, h, w = tokens, heads_per_rank, world_size
-    query = t * h * (kv_lora_rank + rope_dim) * dtype_bytes
-    lse = t * w * h * lse_bytes
-    partial_out = t * w * h * kv_lora_rank * dtype_bytes
-    return (
-        collective_bytes("all_gather", w, query)
-        + collective_bytes("all_gather", w, lse)
-        + collective_bytes("reduce_scatter", w, partial_out)
-    )
 
 
 def build_mla_layer(

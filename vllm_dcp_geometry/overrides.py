@@ -31,6 +31,10 @@ specs (so every worker applies the same overrides the same way):
 - whether the layer's attention backend can run the K it gets is decided at
   start-up, when its builder is made, by the one admission rule
   (``vllm_dcp_geometry.attention_admission``), which names the backend;
+- ``"partial_collectives"`` (``"replica"``, the default, or ``"dcp"``) says
+  where partial MLA groups run their collectives (``collectives``, rule A6):
+  within their K-rank replica groups, or on the D-wide DCP group with
+  duplicate replicas masked; read only where a partial MLA group exists;
 - at D = 1 overrides are validated and change nothing (every geometry is K = 1
   there, and DCP1 stays byte-identical to upstream).
 
@@ -52,6 +56,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_dcp_geometry.collectives import PARTIAL_COLLECTIVES, REPLICA
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     TokenLayout,
@@ -67,6 +72,10 @@ CONFIG_KEY = "dcp_geometry"
 """Key of this plugin's section in ``VllmConfig.additional_config``."""
 
 LAYERS_KEY = "layers"
+PARTIAL_COLLECTIVES_KEY = "partial_collectives"
+"""Where partial MLA groups run their collectives (``collectives``' rule A6):
+``"replica"`` (K ranks, the default) or ``"dcp"`` (the D-wide DCP group)."""
+SECTION_KEYS = (LAYERS_KEY, PARTIAL_COLLECTIVES_KEY)
 
 SHARDED = "sharded"
 REPLICATED = "replicated"
@@ -134,28 +143,48 @@ def _check_value(pattern: str, value: Any) -> OverrideValue:
     )
 
 
-def parse_overrides(additional_config: Any) -> tuple[LayerOverride, ...]:
-    """The layer overrides in ``additional_config`` (empty if none).
+def _section(additional_config: Any) -> Mapping[str, Any]:
+    """This plugin's checked section of ``additional_config`` (empty if none).
 
     ``additional_config`` is ``VllmConfig.additional_config``: a dict, or an
     object vLLM hashes itself (which cannot carry this section).
     """
     if not isinstance(additional_config, Mapping):
-        return ()
+        return {}
     if CONFIG_KEY not in additional_config:
-        return ()
+        return {}
     section = additional_config[CONFIG_KEY]
     if not isinstance(section, Mapping):
         raise DcpGeometryError(
             f"additional_config[{CONFIG_KEY!r}] must be a mapping like "
             f'{{"{LAYERS_KEY}": {{"model.layers.3.attn": 4}}}}, got {section!r}'
         )
-    unknown = sorted(str(key) for key in section if key != LAYERS_KEY)
+    unknown = sorted(str(key) for key in section if key not in SECTION_KEYS)
     if unknown:
         raise DcpGeometryError(
             f"additional_config[{CONFIG_KEY!r}] has unknown keys {unknown}; "
-            f"the only key is {LAYERS_KEY!r}"
+            f"the keys are {list(SECTION_KEYS)}"
         )
+    return section
+
+
+def partial_collectives(additional_config: Any) -> str:
+    """Where partial MLA groups run their collectives: ``"replica"`` (the
+    default) or ``"dcp"``; anything else is an error naming the key."""
+    value = _section(additional_config).get(PARTIAL_COLLECTIVES_KEY, REPLICA)
+    if value not in PARTIAL_COLLECTIVES:
+        raise DcpGeometryError(
+            f"additional_config[{CONFIG_KEY!r}][{PARTIAL_COLLECTIVES_KEY!r}] must "
+            f"be one of {list(PARTIAL_COLLECTIVES)}, got {value!r}"
+        )
+    return str(value)
+
+
+def parse_overrides(additional_config: Any) -> tuple[LayerOverride, ...]:
+    """The layer overrides in ``additional_config`` (empty if none)."""
+    section = _section(additional_config)
+    if not section:
+        return ()
     layers = section.get(LAYERS_KEY, {})
     if not isinstance(layers, Mapping):
         raise DcpGeometryError(

@@ -170,6 +170,7 @@ def make_kimi_ranks(
     coop: CooperativeRanks | None,
     additional_config: dict[str, Any] | None = None,
     backend_name: str = "TRITON_MLA",
+    partial_collectives: str | None = None,
 ) -> tuple[list[Rank], list[Any]]:
     """The ranks of ``tests.support.mla.make_ranks`` with Kimi-K3's layer in
     the forward context before the builders (and the plugin's binding) see
@@ -193,6 +194,7 @@ def make_kimi_ranks(
         backend_name=backend_name,
         coop=coop,
         configure=configure,
+        partial_collectives=partial_collectives,
     )
     for rank, layer in zip(ranks, layers, strict=True):
         slots = new_token_slots(batch, shard_count, interleave, rank.rank % shard_count)
@@ -289,8 +291,8 @@ def kimi_forward(
                 replaced(CPUSDPAMLAPrefillBackend, "supports_out", lambda self: False)
             )
         outputs = coop.run(run)
-    # Kimi-K3's impl runs in the layer's DCP world (1 for K = 1, else D), so
-    # the impl's world says whether the decode LSE was combined.
+    # Kimi-K3's impl runs in the layer's DCP world (1 for K = 1, K within its
+    # replica, else D), so the impl's world says which heads the LSE covers.
     return rank_results(outputs, layers, records, metadata)
 
 
@@ -303,8 +305,10 @@ def run_kimi_case(
     seed: int = 0,
     shape: Shape = CPU,
     backend_name: str = "TRITON_MLA",
+    partial_collectives: str | None = None,
 ) -> dict[str, Any]:
-    """One (D, K, I) case through Kimi-K3's layer, evaluated against the
+    """One (D, K, I) case through Kimi-K3's layer (a partial K within
+    simulated replica groups unless ``partial_collectives`` is ``"dcp"``), evaluated against the
     float64 single-device reference (``tests.support.mla.evaluate``). Raises
     what the layer raises (the unpatched baseline's crash). On a GPU the
     fused ops and every kernel are the real ones; only the collectives are
@@ -326,6 +330,7 @@ def run_kimi_case(
             spec=mla_spec(shard_count if explicit else None, shape=shape),
             coop=coop,
             backend_name=backend_name,
+            partial_collectives=partial_collectives if patched else None,
         )
         results = kimi_forward(batch, ranks, layers, coop, shard_count)
     report = evaluate(batch, results)

@@ -178,6 +178,55 @@ class SimulatedGroup:
         out.copy_(torch.cat(self._exchange(local), dim=0))
 
 
+class SimulatedReplica(SimulatedGroup):
+    """A partial group's replica group (rule A6) of DCP rank ``dcp_rank``:
+    the K ranks ``q*K .. q*K + K - 1``. Every DCP rank takes part in each
+    exchange (they all run the same collectives at once); a rank keeps its
+    replica's tensors."""
+
+    def __init__(
+        self, ranks: CooperativeRanks | None, dcp_rank: int, shard_count: int
+    ) -> None:
+        super().__init__(ranks, shard_count, dcp_rank % shard_count)
+        first = dcp_rank // shard_count * shard_count
+        self.dcp_rank = dcp_rank
+        self.ranks = list(range(first, first + shard_count))
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        assert self.coop is not None, "collective outside a simulated forward"
+        everything = self.coop.exchange(self.dcp_rank, tensor.clone())
+        return [everything[r] for r in self.ranks]
+
+
+@contextmanager
+def replica_groups_of(
+    dcp: SimulatedGroup, shard_counts: Sequence[int], make: Any = None
+) -> Iterator[None]:
+    """The plugin's replica groups of this DCP rank (``make(k)``, by default
+    ``SimulatedReplica``s), made for ``dcp``, while its builders are made
+    (what ``create_replica_groups`` makes at KV-cache initialisation in a
+    real worker)."""
+    from vllm_dcp_geometry import replica_groups
+
+    def replica(k: int) -> SimulatedGroup:
+        group = (
+            SimulatedReplica(dcp.coop, dcp.rank_in_group, k)
+            if make is None
+            else make(k)
+        )
+        setattr(group, replica_groups.MADE_FOR_ATTR, dcp)
+        return group
+
+    made = replica_groups._REPLICA_GROUPS
+    saved = dict(made)
+    made.update({k: replica(k) for k in shard_counts})
+    try:
+        yield
+    finally:
+        made.clear()
+        made.update(saved)
+
+
 class _Done:
     def wait(self) -> None:
         pass
@@ -369,8 +418,15 @@ def mla_model_config(
     interleave: int,
     shape: Shape = CPU,
     comm_backend: str = "ag_rs",
+    partial_collectives: str | None = None,
 ) -> Any:
-    """The shared test config for the MLA model at ``path`` in ``shape``."""
+    """The shared test config for the MLA model at ``path`` in ``shape``;
+    ``partial_collectives`` sets the plugin's ``dcp_geometry`` key."""
+    additional = (
+        None
+        if partial_collectives is None
+        else {"dcp_geometry": {"partial_collectives": partial_collectives}}
+    )
     return make_vllm_config(
         dcp,
         interleave=interleave,
@@ -381,6 +437,7 @@ def mla_model_config(
         cache_block_size=shape.block_size,
         max_num_seqs=shape.max_num_seqs,
         dcp_comm_backend=comm_backend,
+        additional_config=additional,
     )
 
 
@@ -473,10 +530,16 @@ def make_ranks(
     only: Sequence[int] | None = None,
     configure: Callable[[Any], None] | None = None,
     comm_backend: str = "ag_rs",
+    partial_collectives: str | None = None,
+    replicas_made: bool = True,
+    make_replica: Callable[[int], SimulatedGroup] | None = None,
 ) -> list[Rank]:
     """One rank per DCP rank (or the ranks in ``only``), built as a worker
     builds them (the builder through ``AttentionGroup.create_metadata_builders``).
-    ``configure`` may adjust each rank's ``VllmConfig`` before the builder."""
+    ``configure`` may adjust each rank's ``VllmConfig`` before the builder.
+    A partial K gets simulated replica groups unless ``partial_collectives``
+    is ``"dcp"`` (or ``replicas_made`` is False: none, or the caller's);
+    ``make_replica(k)`` makes them instead of ``SimulatedReplica``."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -484,10 +547,18 @@ def make_ranks(
     backend = AttentionBackendEnum[backend_name].get_class()
     path = model_dir(dcp, shape)
     ranks = []
+    replicas = [shard_count] if 1 < shard_count < dcp else []
+    if partial_collectives == "dcp" or not replicas_made:
+        replicas = []
     for r in range(dcp) if only is None else only:
         group = SimulatedGroup(coop, dcp, r)
-        with process_groups(group, SimulatedGroup(coop, dcp, r)):
-            vllm_config = mla_model_config(path, dcp, interleave, shape, comm_backend)
+        with (
+            process_groups(group, SimulatedGroup(coop, dcp, r)),
+            replica_groups_of(group, replicas, make_replica),
+        ):
+            vllm_config = mla_model_config(
+                path, dcp, interleave, shape, comm_backend, partial_collectives
+            )
             layer = make_layer(vllm_config, batch, r, backend)
             if configure is not None:
                 configure(vllm_config)
@@ -535,7 +606,7 @@ def common_metadata(batch: Batch, dcp: int, rank: int, interleave: int) -> Any:
 class RankResult:
     out: torch.Tensor  # [tokens, h * V], this rank's heads
     decode_lse: torch.Tensor | None  # [decode tokens, heads]: combined, or local
-    decode_lse_is_combined: bool  # over all D*h heads (else this rank's h)
+    decode_lse_ranks: range  # whose heads it covers: the combine's, else own
     context_lse: torch.Tensor | None  # [h, prefill tokens] merged with new tokens
     metadata: Any
 
@@ -630,12 +701,15 @@ def rank_results(
     results = []
     for r, output in enumerate(outputs):
         seen = records.get(r, {})
-        combined = layers[r].impl.dcp_world_size > 1
+        # The combine spans the replica (K ranks) or the D-wide group.
+        world = layers[r].impl.dcp_world_size
+        combined = world > 1
+        first = r // world * world
         results.append(
             RankResult(
                 out=output,
                 decode_lse=seen.get("combined_lse" if combined else "local_lse"),
-                decode_lse_is_combined=combined,
+                decode_lse_ranks=range(first, first + world),
                 context_lse=seen.get("context_lse"),
                 metadata=metadata[r],
             )
@@ -693,7 +767,8 @@ def evaluate(batch: Batch, results: list[RankResult]) -> dict[str, Any]:
         error = (
             result.out.double().cpu() - expected["out"][:, r * h * v : (r + 1) * h * v]
         ).abs()
-        heads = slice(None) if result.decode_lse_is_combined else own
+        spanned = result.decode_lse_ranks
+        heads = slice(spanned.start * h, spanned.stop * h)
         assert result.context_lse is not None
         errors: dict[str, float | None] = {
             "decode_out": error[:rows].max().item(),
@@ -721,8 +796,11 @@ def run_case(
     backend_name: str = "TRITON_MLA",
     comm_backend: str = "ag_rs",
     seed: int = 0,
+    partial_collectives: str | None = None,
 ) -> dict[str, Any]:
     """Build the ranks of one (D, K, I) case, run one forward, evaluate it.
+    A partial K runs within simulated replica groups (rule A6) unless
+    ``partial_collectives`` is ``"dcp"`` (the D-wide group, masked).
 
     ``patched`` says whether the plugin is registered in this process: the
     spec then carries K; unpatched vLLM gets its own sharded MLA spec, while
@@ -744,6 +822,7 @@ def run_case(
             backend_name=backend_name,
             coop=coop,
             comm_backend=comm_backend,
+            partial_collectives=partial_collectives if patched else None,
         )
         results = forward(batch, ranks, coop)
     report = evaluate(batch, results)

@@ -34,6 +34,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.worker.utils",
     "vllm_dcp_geometry.patches.worker.flash_attn",
     "vllm_dcp_geometry.patches.worker.flashinfer",
+    "vllm_dcp_geometry.patches.worker.mla_dcp_manager",
     "vllm_dcp_geometry.patches.worker.mla_attention",
     "vllm_dcp_geometry.patches.worker.kimi_k3_mla",
     "vllm_dcp_geometry.patches.worker.flint_model",
@@ -42,6 +43,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.worker.mla_indexer",
     "vllm_dcp_geometry.patches.worker.deepseek_v32_attention",
     "vllm_dcp_geometry.patches.worker.sparse_attn_indexer",
+    "vllm_dcp_geometry.patches.worker.gpu_worker",
 )
 
 
@@ -56,6 +58,8 @@ SHARED_MODULES: tuple[tuple[str, str], ...] = (
     ("metadata_builders", "how a taught builder is built"),
     ("impl_binding", "attention impls bound to their group"),
     ("mla_geometry", "the MLA side"),
+    ("collectives", "which ranks a group's collectives span, and their traffic"),
+    ("replica_groups", "the replica process groups of partial MLA groups"),
     ("layer_classes", "the taught layer classes and the binder registry"),
     ("hand_back", "upstream's exact path where nothing changes"),
     ("overrides", "operator overrides"),

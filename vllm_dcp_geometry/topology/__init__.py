@@ -4,8 +4,10 @@
 
 A topology is what the ``vllm-dcp-geometry`` commands plan and replay: one
 entry per KV-cache group (kind, layer names, block size and spec fields such
-as ``dcp_kv_shard_count`` or Mamba state shapes) plus the parallel layout and
-limits it is sized for. Topologies come from the built-in profiles
+as ``dcp_kv_shard_count`` or Mamba state shapes; optionally ``query_heads`` and
+``kv_lora_rank``, which only size ``plan``'s decode collectives) plus the
+parallel layout (``partial_collectives`` among it) and limits it is sized for.
+Topologies come from the built-in profiles
 (``vllm_dcp_geometry/profiles/*.toml``) or from a user's TOML or JSON file.
 
 - ``model``: ``CacheGroup`` and ``Topology``, validated against the contract;

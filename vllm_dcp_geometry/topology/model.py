@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vllm_dcp_geometry.collectives import PARTIAL_COLLECTIVES, REPLICA
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     TokenLayout,
@@ -24,6 +25,7 @@ from vllm_dcp_geometry.topology.limits import (
     POSITIVE_INT32,
     REPLAY_TOKENS_RANGE,
     TopologyError,
+    show,
 )
 
 ATTENTION_KINDS = ("full_attention", "mla", "sliding_window")
@@ -49,6 +51,22 @@ class CacheGroup:
     attention_features: tuple[str, ...] = ()
     """``attention_admission.ATTENTION_FEATURES`` the layers use (sinks, a
     mask_mod), which some backends' DCP paths drop."""
+    query_heads: int | None = None
+    """The model's attention query heads across TP (None: not given). Not a
+    spec field: it only sizes ``plan``'s decode collectives. A rank holds
+    ``query_heads / tensor_parallel_size`` of them (the topology checks that
+    TP divides it)."""
+    kv_lora_rank: int | None = None
+    """An MLA group's latent rank L (None: not given). Not a spec field: a
+    cache row is L latent values then ``head_size - L`` rope values, so
+    ``0 < L < head_size``."""
+
+    @property
+    def rope_dim(self) -> int | None:
+        """An MLA group's rope dimension R = ``head_size - kv_lora_rank``."""
+        if self.kv_lora_rank is None:
+            return None
+        return int(self.spec_fields["head_size"]) - self.kv_lora_rank
 
     @property
     def is_attention(self) -> bool:
@@ -94,6 +112,16 @@ class CacheGroup:
                 if self.attention_features
                 else {}
             ),
+            **(
+                {"query_heads": self.query_heads}
+                if self.query_heads is not None
+                else {}
+            ),
+            **(
+                {"kv_lora_rank": self.kv_lora_rank}
+                if self.kv_lora_rank is not None
+                else {}
+            ),
             **{k: _jsonable(v) for k, v in sorted(self.spec_fields.items())},
         }
 
@@ -107,6 +135,11 @@ class Topology:
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     interleave_size: int = 1
+    partial_collectives: str = REPLICA
+    """Where partial (1 < K < D) groups on a dense MLA backend run their
+    decode collectives (``collectives.PARTIAL_COLLECTIVES``): within their
+    K-rank replica (rule A6, the default) or on the D-wide DCP group, as
+    ``additional_config["dcp_geometry"]["partial_collectives"]`` sets it."""
     max_model_len: int = 4096
     max_num_seqs: int = 1
     mamba_cache_mode: str = "none"
@@ -119,6 +152,13 @@ class Topology:
     @property
     def num_layers(self) -> int:
         return sum(len(g.layers) for g in self.groups)
+
+    def heads_per_rank(self, group: CacheGroup) -> int | None:
+        """The group's query heads on one TP rank (None without
+        ``query_heads``); ``validate`` checks that TP divides them."""
+        if group.query_heads is None:
+            return None
+        return group.query_heads // self.tensor_parallel_size
 
     @property
     def scheduler_cache_block_size(self) -> int:
@@ -181,6 +221,11 @@ class Topology:
         ):
             POSITIVE_INT32.check(value, f"{where}: {label}")
         MODEL_LEN_RANGE.check(self.max_model_len, f"{where}: max_model_len")
+        if self.partial_collectives not in PARTIAL_COLLECTIVES:
+            raise TopologyError(
+                f"{where}: [parallel] partial_collectives must be one of "
+                f"{list(PARTIAL_COLLECTIVES)}, got {show(self.partial_collectives)}"
+            )
         if self.cache_block_size is not None:
             POSITIVE_INT32.check(self.cache_block_size, f"{where}: [cache] block_size")
         dcp = self.decode_context_parallel_size
@@ -254,6 +299,7 @@ class Topology:
                 f"block of max_model_len ({self.max_model_len:,}) tokens; set "
                 "block_size = max_model_len or mamba_cache_mode = 'align'"
             )
+        self._check_cost_fields(group, where)
         mode = group.spec_fields.get("mamba_cache_mode")
         if mode is not None and mode != self.mamba_cache_mode:
             raise TopologyError(
@@ -261,6 +307,27 @@ class Topology:
                 f"{mode!r} but the cache uses {self.mamba_cache_mode!r} "
                 "(vLLM sizes tables from the cache-wide mode)"
             )
+
+    def _check_cost_fields(self, group: CacheGroup, where: str) -> None:
+        """``query_heads`` split evenly over TP and ``kv_lora_rank`` inside
+        the MLA row; re-checked after ``--tp`` overrides."""
+        tp = self.tensor_parallel_size
+        if group.query_heads is not None and group.query_heads % tp:
+            raise TopologyError(
+                f"{where}: group {group.name!r} has query_heads "
+                f"{group.query_heads} which tensor_parallel_size {tp} does not "
+                "divide (each TP rank holds query_heads / TP query heads)"
+            )
+        rank = group.kv_lora_rank
+        if rank is not None:
+            head_size = group.spec_fields["head_size"]
+            if not 0 < rank < head_size:
+                raise TopologyError(
+                    f"{where}: group {group.name!r} has kv_lora_rank {rank} but "
+                    f"head_size {head_size}; an MLA cache row is kv_lora_rank "
+                    "latent values then head_size - kv_lora_rank rope values, "
+                    "so 0 < kv_lora_rank < head_size"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         """The topology as a TOML/JSON-shaped mapping (round-trips through
@@ -280,6 +347,7 @@ class Topology:
                 "tensor_parallel_size": self.tensor_parallel_size,
                 "decode_context_parallel_size": self.decode_context_parallel_size,
                 "cp_kv_cache_interleave_size": self.interleave_size,
+                "partial_collectives": self.partial_collectives,
             },
             "limits": {
                 "max_model_len": self.max_model_len,

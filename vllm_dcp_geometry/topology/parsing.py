@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from vllm_dcp_geometry.collectives import REPLICA
 from vllm_dcp_geometry.topology.limits import (
     NON_NEGATIVE_INT32,
     POSITIVE_INT32,
@@ -95,6 +96,15 @@ _GROUP_KEYS = frozenset(
         "attention_features",
     }
 )
+# Per-group model shapes that only size plan's decode collectives: never spec
+# fields (vLLM's spec constructors do not take them, and ``ranks`` reads every
+# spec field as something its stand-in layers must build).
+_COST_FIELDS: dict[str, frozenset[str]] = {
+    "full_attention": frozenset({"query_heads"}),
+    "mla": frozenset({"query_heads", "kv_lora_rank"}),
+    "sliding_window": frozenset({"query_heads"}),
+    "mamba": frozenset(),
+}
 _TOP_KEYS = frozenset(
     {"name", "description", "parallel", "limits", "cache", "replay", "groups"}
 )
@@ -103,6 +113,7 @@ _PARALLEL_KEYS = frozenset(
         "tensor_parallel_size",
         "decode_context_parallel_size",
         "cp_kv_cache_interleave_size",
+        "partial_collectives",
     }
 )
 _LIMIT_KEYS = frozenset({"max_model_len", "max_num_seqs"})
@@ -197,7 +208,7 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         raise TopologyError(
             f"{where}: 'kind' must be one of {list(KINDS)}, got {show(kind)}"
         )
-    _reject_unknown(raw, _GROUP_KEYS | _SPEC_FIELDS[kind], where)
+    _reject_unknown(raw, _GROUP_KEYS | _SPEC_FIELDS[kind] | _COST_FIELDS[kind], where)
     block_size = POSITIVE_INT32.check(raw.get("block_size"), f"{where}: block_size")
     draft = raw.get("draft", False)
     if not isinstance(draft, bool):
@@ -217,6 +228,11 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
             raise TopologyError(f"{where}: only attention groups have a layer_class")
         _layer_class(layer_class, where)
     features = _attention_features(raw.get("attention_features", []), kind, where)
+    cost = {
+        key: POSITIVE_INT32.check(raw[key], f"{where}: {key}")
+        for key in sorted(_COST_FIELDS[kind])
+        if key in raw
+    }
     return CacheGroup(
         name=name,
         kind=kind,
@@ -226,6 +242,8 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         spec_fields=spec_fields,
         layer_class=layer_class,
         attention_features=features,
+        query_heads=cost.get("query_heads"),
+        kv_lora_rank=cost.get("kv_lora_rank"),
     )
 
 
@@ -345,6 +363,7 @@ def _build(data: Any, source: str) -> Topology:
         tensor_parallel_size=parallel.get("tensor_parallel_size", 1),
         decode_context_parallel_size=parallel.get("decode_context_parallel_size", 1),
         interleave_size=parallel.get("cp_kv_cache_interleave_size", 1),
+        partial_collectives=parallel.get("partial_collectives", REPLICA),
         max_model_len=limits.get("max_model_len", 4096),
         max_num_seqs=limits.get("max_num_seqs", 1),
         mamba_cache_mode=mode,

@@ -8,7 +8,8 @@ per request per rank, with the same numbers from unpatched vLLM 0.33.0. The
 patched numbers come from the specs (``spec.dcp_shard_count``,
 ``spec.max_num_blocks_per_req``, ``spec.max_memory_usage_bytes``); upstream's
 from the original methods behind the patches (``_patching.original_of``).
-How each group's attention runs comes from ``attention``.
+How each group's attention runs comes from ``attention``, what its decode
+collectives span and move from ``cost``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm_dcp_geometry.cli.plan.attention import (
     check_attention_backend,
     group_attention,
 )
+from vllm_dcp_geometry.cli.plan.cost import group_cost
 from vllm_dcp_geometry.contract import scheduler_block_size, virtual_block_size
 from vllm_dcp_geometry.geometry import (
     BLOCK_TABLE_ENTRY_BYTES,
@@ -121,7 +123,7 @@ def _plan_group(
     attention_backend: str | None,
 ) -> dict[str, Any]:
     """One group's row: the patched geometry, unpatched vLLM's (its original
-    methods) and how its attention runs."""
+    methods), how its attention runs and what its decode collectives cost."""
     from vllm_dcp_geometry.worker_admission import upstream_read_shard_count
 
     dcp = topology.decode_context_parallel_size
@@ -151,6 +153,7 @@ def _plan_group(
         **common,
     )
     upstream["attention_shard_count"] = upstream_read_shard_count(spec, dcp)
+    attention = group_attention(group, index, spec, topology, attention_backend)
     return {
         "name": group.name,
         "kind": group.kind,
@@ -161,7 +164,8 @@ def _plan_group(
         "block_size": group.block_size,
         "page_size_bytes": spec.page_size_bytes,
         **patched,
-        **group_attention(group, index, spec, topology, attention_backend),
+        **attention,
+        **group_cost(group, topology, attention, k),
         "upstream": upstream,
         "delta": _delta(patched, upstream),
     }
@@ -210,6 +214,7 @@ def layout_inputs(topology: Topology) -> dict[str, Any]:
         "decode_context_parallel_size": topology.decode_context_parallel_size,
         "tensor_parallel_size": topology.tensor_parallel_size,
         "cp_kv_cache_interleave_size": topology.interleave_size,
+        "partial_collectives": topology.partial_collectives,
         "max_model_len": topology.max_model_len,
         "max_num_seqs": topology.max_num_seqs,
         "mamba_cache_mode": topology.mamba_cache_mode,

@@ -89,6 +89,83 @@ def _totals_row(plan: dict[str, Any]) -> list[str]:
     return row
 
 
+_COST_HEADERS = [
+    "group",
+    "W",
+    "over",
+    "B/token/rank/layer",
+    "work vs K=D",
+    "D-wide: W",
+    "B/token/rank/layer",
+    "work",
+]
+
+
+def _fmt_optional_int(value: int | None) -> str:
+    return "-" if value is None else _fmt_int(value)
+
+
+def _fmt_optional_float(value: float | None) -> str:
+    return "-" if value is None else _fmt_float(value)
+
+
+def _collective_scope(g: dict[str, Any], dcp: int) -> str:
+    world = g["collective_world_size"]
+    if world == 1:
+        return "local"
+    return "DCP group" if world == dcp else "replica"
+
+
+def _cost_lines(plan: dict[str, Any]) -> list[str]:
+    """The decode collectives of the groups whose attention runs: a small
+    table of their own (the geometry table is wide already), then why any
+    bytes are missing."""
+    dcp = plan["inputs"]["decode_context_parallel_size"]
+    costed = [g for g in plan["groups"] if g["collective_world_size"] is not None]
+    if not costed:
+        return []
+    rows = []
+    for g in costed:
+        partial = g["dcp_group_attention_work_vs_sharded"] is not None
+        rows.append(
+            [
+                g["name"],
+                str(g["collective_world_size"]),
+                _collective_scope(g, dcp),
+                _fmt_optional_int(g["decode_collective_bytes_per_rank_per_token"]),
+                _fmt_float(g["attention_work_vs_sharded"]),
+                str(dcp) if partial else "",
+                _fmt_optional_int(g["dcp_group_bytes_per_rank_per_token"])
+                if partial
+                else "",
+                _fmt_optional_float(g["dcp_group_attention_work_vs_sharded"])
+                if partial
+                else "",
+            ]
+        )
+    reasons: dict[str, list[str]] = {}
+    for g in costed:
+        if g["decode_collective_bytes_reason"]:
+            reasons.setdefault(g["decode_collective_bytes_reason"], []).append(
+                g["name"]
+            )
+    return [
+        "",
+        "decode collectives (partial_collectives="
+        f"{plan['inputs']['partial_collectives']}): W ranks, over the group's "
+        "replica (rule A6), the DCP group or none (local); bytes one rank sends "
+        "plus receives per decoded token in one layer (query all-gather, LSE "
+        "all-gather, output reduce-scatter); attention work per rank vs a K=D "
+        "group; partial groups also on the D-wide DCP group.",
+        render_table(_COST_HEADERS, rows, right={1, 3, 4, 5, 6, 7}),
+        *(
+            f"no collective bytes ({reason}): {', '.join(names)}"
+            for reason, names in reasons.items()
+        ),
+        "",
+    ]
+
+
 def _attention_lines(plan: dict[str, Any]) -> list[str]:
     backends: dict[str, list[str]] = {}
     for g in plan["groups"]:
@@ -164,6 +241,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             "dcp-partial, refused, none). vs 0.33.0: unpatched vLLM's K and width; "
             "table B/rank as a difference (= means identical).",
             *_attention_lines(plan),
+            *_cost_lines(plan),
             *_totals_lines(plan),
         ]
     )

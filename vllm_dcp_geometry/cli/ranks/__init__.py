@@ -9,11 +9,13 @@ plugin through vLLM's own plugin loader (``worker``). Each builds the
 topology's MLA groups on vLLM's real layer, impl and builder, writes random
 K/V at the contract's slot mapping for the group's K, runs a decode step and
 a chunked prefill over a context with vLLM's real collectives (partial groups
-still on the D-wide DCP group), and holds every rank's output and LSE to a
-float64 single-device reference, counting the bytes each rank moves through
-the DCP group. Sizes are scaled down (``cases``); groups whose backends need
-CUDA, recurrent groups and layer classes this command does not build are
-listed with the reason. The CPU switches the workers need are set only in
+within their K-rank replica groups, made by the same start-up code as
+``vllm serve``'s workers; ``--partial-collectives dcp`` keeps them on the
+D-wide DCP group), and holds every rank's output and LSE to a float64
+single-device reference, counting the bytes each rank moves through the DCP
+and replica groups. Sizes are scaled down (``cases``); groups whose backends
+need CUDA, recurrent groups and layer classes this command does not build
+are listed with the reason. The CPU switches the workers need are set only in
 their environment (``cpu``). The text is ``report``'s.
 
 ``--baseline`` also runs the same ranks on unpatched vLLM (children with
@@ -34,6 +36,7 @@ from vllm_dcp_geometry.cli.common.flags import (
 )
 from vllm_dcp_geometry.cli.ranks.report import format_baseline, format_report
 from vllm_dcp_geometry.cli.ranks.run import run_ranks
+from vllm_dcp_geometry.collectives import PARTIAL_COLLECTIVES, REPLICA
 from vllm_dcp_geometry.topology import Topology, TopologyError
 from vllm_dcp_geometry.topology.limits import NON_NEGATIVE_INT32, IntRange
 
@@ -57,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--baseline",
         action="store_true",
         help="also run the ranks on unpatched vLLM (VLLM_PLUGINS='')",
+    )
+    parser.add_argument(
+        "--partial-collectives",
+        choices=PARTIAL_COLLECTIVES,
+        default=REPLICA,
+        help="where partial MLA groups run their collectives: within their "
+        "K-rank replica (default) or on the D-wide DCP group",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -87,12 +97,18 @@ def command(args: argparse.Namespace) -> int:
     verbose = getattr(args, "verbose", False)
     progress = not args.no_progress
     report = run_ranks(
-        topology, patched=True, seed=args.seed, progress=progress, verbose=verbose
+        topology,
+        patched=True,
+        seed=args.seed,
+        progress=progress,
+        verbose=verbose,
+        partial_collectives=args.partial_collectives,
     )
     report.update(runs.versions())
     report["inputs"] = {
         **runs.source_inputs(args),
         "seed": args.seed,
+        "partial_collectives": args.partial_collectives,
         "topology": topology.to_dict(),
     }
     text = format_report(report)

@@ -31,6 +31,9 @@ def format_table(report: dict[str, Any]) -> str:
                 g["name"],
                 "-" if g["shard_count"] is None else str(g["shard_count"]),
                 g["attention_mode"],
+                "-"
+                if g.get("collective_world_size") is None
+                else str(g["collective_world_size"]),
                 _error(g["max_abs_error"]),
                 _error(g["max_lse_error"]),
                 _bytes(g["collective_bytes_per_rank_per_step"]),
@@ -42,13 +45,14 @@ def format_table(report: dict[str, Any]) -> str:
             "group",
             "K",
             "mode",
+            "W",
             "max abs err",
             "max LSE err",
             "bytes/rank/step",
             "result",
         ],
         rows,
-        right={1, 3, 4, 5},
+        right={1, 3, 4, 5, 6},
     )
 
 
@@ -73,9 +77,21 @@ def format_report(report: dict[str, Any]) -> str:
         f"contexts up to {shape['max_model_len']:,} tokens; K, block sizes and "
         "interleave as the topology's",
         "  per group: one decode step and one chunked prefill over a context, "
-        "every rank against a float64 single-device reference; bytes: sent + "
-        "received per rank through the DCP group in the decode step",
+        "every rank against a float64 single-device reference; W: ranks its "
+        "collectives span; bytes: sent + received per rank through the DCP and "
+        "replica groups in the decode step",
     ]
+    if report.get("partial_collectives"):
+        where = (
+            "within their K-rank replica groups (K = "
+            + ", ".join(str(k) for k in report["replica_groups"])
+            + ")"
+            if report["replica_groups"]
+            else "within their replica groups"
+        )
+        if report["partial_collectives"] != "replica":
+            where = "on the D-wide DCP group, replicas masked"
+        lines.append(f"  partial groups' collectives: {where}")
     if report["stand_ins"]:
         lines.append(
             "  torch stand-ins for missing compiled ops: "

@@ -7,7 +7,7 @@ DCP rank (gloo on CPU, NCCL where D GPUs are visible), each with its plan in a
 JSON file, waits for them with a progress line, and merges their results into
 one report: per group the worst error over every rank and the bytes each rank
 moved through the DCP group in one decode step (the same on every rank, or
-the group is flagged), next to what ``mla_rank_run.mla_decode_step_bytes``
+the group is flagged), next to what ``collectives.mla_decode_step_bytes``
 says vLLM's D-wide collectives move.
 
 Children get this process's environment, plus ``VLLM_PLUGINS=""`` when
@@ -31,8 +31,13 @@ from vllm_dcp_geometry.cli.common.runs import progress_bar
 from vllm_dcp_geometry.cli.common.status import CliError
 from vllm_dcp_geometry.cli.ranks import cpu
 from vllm_dcp_geometry.cli.ranks.cases import Shape, longest_request, why_not_run
+from vllm_dcp_geometry.collectives import (
+    REPLICA,
+    attention_work_ratio,
+    collective_world_size,
+    mla_decode_step_bytes,
+)
 from vllm_dcp_geometry.contract import cdiv
-from vllm_dcp_geometry.mla_rank_run import mla_decode_step_bytes
 from vllm_dcp_geometry.topology import Topology
 
 TOLERANCE = 1e-5
@@ -112,6 +117,7 @@ def launch(
     progress: bool,
     verbose: bool,
     gpu: bool,
+    partial_collectives: str,
 ) -> tuple[list[dict[str, Any]], float]:
     """Run the D workers; their results (by rank) and the wall time."""
     dcp = topology.decode_context_parallel_size
@@ -131,6 +137,7 @@ def launch(
                 "device": "cuda" if gpu else "cpu",
                 "seed": seed,
                 "shape": shape.to_dict(),
+                "partial_collectives": partial_collectives,
                 "groups": runnable,
             }
             plan_path = Path(tmp, f"plan.{rank}.json")
@@ -213,6 +220,7 @@ def merge(
     patched: bool,
     elapsed: float,
     gpu: bool,
+    partial_collectives: str = REPLICA,
 ) -> dict[str, Any]:
     """One report from the ranks' results."""
     dcp = topology.decode_context_parallel_size
@@ -247,10 +255,21 @@ def merge(
                 if patched
                 else ("local" if attended == 1 else "dcp")
             )
+            # What the plan says the group's collectives span; unpatched vLLM
+            # runs every MLA group on the D-wide group.
+            planned = (
+                collective_world_size(
+                    g["shard_count"],
+                    dcp,
+                    replica_collectives=partial_collectives == REPLICA,
+                )
+                if patched
+                else dcp
+            )
             decode = [r["decode_bytes"] for r in ranks]
             tokens = ranks[0]["decode_tokens"]
             expected = mla_decode_step_bytes(
-                attended,
+                planned,
                 tokens=tokens,
                 heads_per_rank=shape.heads_per_rank,
                 kv_lora_rank=shape.kv_lora_rank,
@@ -288,6 +307,16 @@ def merge(
                 r["prefill_bytes"] for r in ranks
             )
             row["attention_world_size"] = attended
+            row["collective_world_size"] = planned
+            row["collective_worlds_seen"] = sorted(
+                {w for r in ranks for w in r["decode_collective_worlds"]}
+            )
+            row["attention_work_vs_sharded"] = attention_work_ratio(
+                attended, g["shard_count"], dcp
+            )
+            row["traffic_matches_formula"] = row["traffic_matches_formula"] and (
+                attended == planned
+            )
             row["ok"] = (
                 row["max_abs_error"] is not None
                 and row["max_abs_error"] <= TOLERANCE
@@ -314,6 +343,8 @@ def merge(
             "plugin_loaded_by_vllm": [r["patched"] for r in results],
         },
         "stand_ins": first.get("stand_ins", []),
+        "partial_collectives": partial_collectives if patched else None,
+        "replica_groups": first.get("replica_groups", []),
         "shape": {
             **shape.to_dict(),
             "note": "heads, head sizes and lengths scaled down; every group's K, "
@@ -331,8 +362,11 @@ def run_ranks(
     seed: int = 0,
     progress: bool = True,
     verbose: bool = False,
+    partial_collectives: str = REPLICA,
 ) -> dict[str, Any]:
-    """The whole run on ``patched`` (or unpatched) vLLM; a JSON-ready report."""
+    """The whole run on ``patched`` (or unpatched) vLLM; a JSON-ready report.
+    ``partial_collectives``: where the patched ranks run partial groups'
+    collectives (``collectives.REPLICA`` or ``DCP_GROUP``)."""
     gpu = visible_gpus() >= topology.decode_context_parallel_size
     groups = plan_groups(topology, gpu=gpu)
     results: list[dict[str, Any]] = []
@@ -346,6 +380,7 @@ def run_ranks(
             progress=progress,
             verbose=verbose,
             gpu=gpu,
+            partial_collectives=partial_collectives,
         )
         if any(r["patched"] != patched for r in results):
             raise CliError(
@@ -353,4 +388,12 @@ def run_ranks(
                 + ("did not load" if patched else "loaded")
                 + " the plugin (is the package installed, or VLLM_PLUGINS set?)"
             )
-    return merge(topology, groups, results, patched=patched, elapsed=elapsed, gpu=gpu)
+    return merge(
+        topology,
+        groups,
+        results,
+        patched=patched,
+        elapsed=elapsed,
+        gpu=gpu,
+        partial_collectives=partial_collectives,
+    )

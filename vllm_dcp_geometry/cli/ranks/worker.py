@@ -32,15 +32,16 @@ from typing import Any
 
 from vllm_dcp_geometry.cli.ranks import cpu
 from vllm_dcp_geometry.cli.ranks.cases import Shape, decode_requests, prefill_requests
+from vllm_dcp_geometry.collectives import collective_bytes
 from vllm_dcp_geometry.contract import cdiv, reference_slot_mapping
 from vllm_dcp_geometry.mla_rank_run import (
     STAND_IN_OPS,
     build_mla_layer,
-    collective_bytes,
     max_error,
     mla_reference,
     write_deepseek_config,
 )
+from vllm_dcp_geometry.overrides import CONFIG_KEY, PARTIAL_COLLECTIVES_KEY
 
 LAYER = "model.layers.0.self_attn.attn"
 
@@ -54,7 +55,7 @@ class Traffic:
     collective, counted at vLLM's ``GroupCoordinator`` methods and at the
     ``torch.distributed`` calls vLLM makes on the DCP device group directly
     (the context KV gather, the all-to-all combine); the model of one call
-    is ``mla_rank_run.collective_bytes``."""
+    is ``collectives.collective_bytes``."""
 
     counting: bool = False
     total: int = 0
@@ -62,6 +63,7 @@ class Traffic:
 
     def __post_init__(self) -> None:
         self.by_op: dict[str, int] = {}
+        self.worlds: set[int] = set()
         self._inside = threading.local()
 
     def add(self, op: str, world: int, tensor: Any) -> None:
@@ -72,6 +74,7 @@ class Traffic:
         self.by_op[op] = self.by_op.get(op, 0) + moved
         self.total += moved
         self.calls += 1
+        self.worlds.add(world)
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
@@ -84,27 +87,32 @@ class Traffic:
     def reset(self) -> None:
         self.total = self.calls = 0
         self.by_op = {}
+        self.worlds = set()
 
 
 def install_traffic_counter(traffic: Traffic) -> None:
     """Wrap ``GroupCoordinator.all_gather/reduce_scatter/all_reduce`` (for
-    the DCP group) and ``torch.distributed.all_gather_into_tensor`` /
-    ``all_to_all_single`` (on its device group) to count into ``traffic``.
-    Installed before any builder exists: the MLA builder binds the KV gather
-    function when it is made."""
+    the DCP group and the replica groups) and
+    ``torch.distributed.all_gather_into_tensor`` / ``all_to_all_single`` (on
+    their device groups) to count into ``traffic``. Installed before any
+    builder exists: the MLA builder binds the KV gather function when it is
+    made."""
     import torch.distributed as dist
     from vllm.distributed import parallel_state
 
+    from vllm_dcp_geometry.replica_groups import made_replica_groups
+
     coordinator = parallel_state.GroupCoordinator
 
-    def dcp() -> Any:
-        return parallel_state._DCP
+    def counted_groups() -> list[Any]:
+        groups = [parallel_state._DCP, *made_replica_groups().values()]
+        return [g for g in groups if g is not None]
 
     def wrap_method(name: str) -> None:
         original = getattr(coordinator, name)
 
         def counted(self: Any, input_: Any, *args: Any, **kwargs: Any) -> Any:
-            if self is dcp():
+            if any(self is g for g in counted_groups()):
                 traffic.add(name, self.world_size, input_)
             with traffic.inside():
                 return original(self, input_, *args, **kwargs)
@@ -119,9 +127,9 @@ def install_traffic_counter(traffic: Traffic) -> None:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            owner = dcp()
-            if owner is not None and group is owner.device_group:
-                traffic.add(name, owner.world_size, args[local_arg])
+            for owner in counted_groups():
+                if group is owner.device_group:
+                    traffic.add(name, owner.world_size, args[local_arg])
             with traffic.inside():
                 return original(*args, **kwargs)
 
@@ -150,9 +158,16 @@ def model_dir(world: int, shape: Shape) -> Path:
 
 
 def vllm_config(
-    path: Path, world: int, interleave: int, block_size: int, shape: Shape, device: str
+    path: Path,
+    world: int,
+    interleave: int,
+    block_size: int,
+    shape: Shape,
+    device: str,
+    partial_collectives: str | None = None,
 ) -> Any:
-    """A real ``VllmConfig``: TP = DCP = ``world``, the group's block size."""
+    """A real ``VllmConfig``: TP = DCP = ``world``, the group's block size,
+    and (patched) where partial groups run their collectives."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -183,6 +198,11 @@ def vllm_config(
             max_num_batched_tokens=length * shape.max_num_seqs,
         ),
         device_config=DeviceConfig(device=device),
+        additional_config=(
+            {}
+            if partial_collectives is None
+            else {CONFIG_KEY: {PARTIAL_COLLECTIVES_KEY: partial_collectives}}
+        ),
     )
 
 
@@ -502,7 +522,13 @@ def run_group(group: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     }
     num_blocks = width * max(len(r) for r in cases.values()) + 1
     config = vllm_config(
-        ctx["model_dir"], world, group["interleave"], block, shape, device
+        ctx["model_dir"],
+        world,
+        group["interleave"],
+        block,
+        shape,
+        device,
+        ctx["partial_collectives"],
     )
     layer, backend = build_layer(config, weight, rank, shape, device)
     spec = group_spec(group, shape, ctx["patched"])
@@ -541,9 +567,13 @@ def run_group(group: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         out_error = max_error(output, want)
         lse_error: float | None = None
         if phase == "decode":
-            combined = layer.impl.dcp_world_size > 1
+            # The combine's LSE covers the query heads of every rank its
+            # collectives span (the replica's, or all D); a local one its own.
+            w = layer.impl.dcp_world_size
+            combined = w > 1
             got = seen.get("combined_lse" if combined else "local_lse")
-            heads_seen = slice(None) if combined else slice(rank * h, (rank + 1) * h)
+            first = rank // w * w
+            heads_seen = slice(first * h, (first + w) * h)
             if got is not None:
                 lse_error = max_error(got, expected["lse"][:, heads_seen])
             report["decode_tokens"] = inputs.q.shape[0]
@@ -558,10 +588,37 @@ def run_group(group: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         report[f"{phase}_bytes"] = traffic.total
         report[f"{phase}_bytes_by_op"] = dict(traffic.by_op)
         report[f"{phase}_collective_calls"] = traffic.calls
+        report[f"{phase}_collective_worlds"] = sorted(traffic.worlds)
     return report
 
 
 # The process ---------------------------------------------------------------------
+
+
+def make_replica_groups(
+    plan: dict[str, Any], shape: Shape, path: Path, device: str
+) -> tuple[int, ...]:
+    """What every worker does at KV-cache initialisation: the start-up
+    code (``replica_groups.make_replica_groups``, which the
+    ``Worker.initialize_from_config`` patch calls) on a real
+    ``KVCacheConfig`` holding every group of the plan; the K made."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from vllm_dcp_geometry.replica_groups import (
+        make_replica_groups as at_kv_cache_init,
+    )
+
+    world = plan["world"]
+    config = vllm_config(path, world, 1, 16, shape, device, plan["partial_collectives"])
+    kv_cache_config = KVCacheConfig(
+        num_blocks=1,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"{LAYER}.{g['index']}"], group_spec(g, shape, True))
+            for g in plan["groups"]
+        ],
+    )
+    return at_kv_cache_init(config, kv_cache_config)
 
 
 def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
@@ -599,6 +656,7 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
         )
     install_traffic_counter(traffic)
     dcp = parallel_state.get_dcp_group()
+    made = make_replica_groups(plan, shape, path, device) if patched else ()
     ctx = {
         "shape": shape,
         "world": world,
@@ -608,8 +666,13 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
         "seed": plan["seed"],
         "model_dir": path,
         "patched": patched,
+        "partial_collectives": plan["partial_collectives"] if patched else None,
     }
     groups = [run_group(group, ctx) for group in plan["groups"]]
+    if patched:
+        from vllm_dcp_geometry.replica_groups import destroy_replica_groups
+
+        destroy_replica_groups()
     parallel_state.destroy_model_parallel()
     parallel_state.destroy_distributed_environment()
     return {
@@ -622,6 +685,7 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
             "backend": plan["backend"],
         },
         "stand_ins": stand_ins,
+        "replica_groups": list(made),
         "groups": groups,
     }
 

@@ -12,8 +12,10 @@ generic MLA binding does to the layer's impl and DCP manager
 ``layer.dcp_world_size``: 1 for K = 1 (decode without query all-gather or
 LSE combine, prefill context through the layer's DCP1
 ``_compute_prefill_context`` over the DCP1 chunk plan the local builder
-makes), D for 1 < K < D (the D-wide gather, the replica-masked combine and
-the impl's context-parallel prefill path, exactly as ``MLAAttention``).
+makes); for 1 < K < D, K within its replica (the replica manager's K-rank
+gather and combine, and the impl's context-parallel prefill path over K,
+exactly as ``MLAAttention``) or D on the D-wide group (the D-wide gather and
+the replica-masked combine).
 Nothing is wrapped; the layer's forward methods it relies on are pinned.
 
 Why: the class is not vLLM's ``MLAAttention``: it decides its DCP path on its
@@ -32,6 +34,7 @@ from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, require_class_path, set_item
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.layer_classes import (
     KIMI_K3_MLA,
     LAYER_BINDERS,
@@ -75,14 +78,17 @@ PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def bind_kimi_k3_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
-    """Bind one ``MultiHeadLatentAttention`` to its group (idempotent)."""
-    if layer.dcp_world_size not in (1, geometry.dcp_world_size):
+    """Bind one ``MultiHeadLatentAttention`` to its group (idempotent): the
+    layer's gate follows its impl's bound world (1, K within the replica, or
+    D on the D-wide group)."""
+    bound = getattr(layer.impl, BOUND_GEOMETRY_ATTR, None) is not None
+    if not bound and layer.dcp_world_size not in (1, geometry.dcp_world_size):
         raise DcpGeometryError(
             f"{geometry.describe()}: layer {layer_name} ({KIMI_K3_MLA}) gates DCP "
             f"on a world size of {layer.dcp_world_size}, not the group's D"
         )
     bind_mla_layer(layer, geometry, layer_name)
-    layer.dcp_world_size = 1 if geometry.is_replicated else geometry.dcp_world_size
+    layer.dcp_world_size = layer.impl.dcp_world_size
 
 
 def apply(module: ModuleType) -> None:

@@ -16,10 +16,20 @@ the group's MLA layers (``mla_geometry``):
   backend check ``_validate_dspark_dcp_support`` skipped as at DCP = 1); the
   layers run plain local attention (bound through their layer class,
   ``layer_binding``).
-- 1 < K < D (``dcp-partial``): the upstream constructor keeps D (the query
-  all-gather, combine and context KV gather span the DCP group). ``build``
-  runs with the group's local decode lengths (persistent per-builder
-  buffer), its decode bound ``ceil(L / (K*I)) * I``, and context chunks
+- 1 < K < D (``dcp-partial``) within its replica (rule A6, the default):
+  the group's layers are bound first (each gets a replica ``MLADCPManager``
+  over the K ranks of its replica, made by ``worker.mla_dcp_manager``; its
+  impl runs with ``(K, r % K)``), then the upstream constructor runs with
+  ``get_dcp_group`` answering the replica's ``GroupCoordinator``
+  (``replica_groups``, made by ``worker.gpu_worker``): vLLM's builder for K
+  sharded ranks (workspace N + N/K, context chunks over K, decode bound over
+  K). ``build`` runs in the replica with the group's local decode lengths
+  (persistent per-builder buffer); nothing is masked. A partial group whose
+  replica groups were not made is refused, naming the way out.
+- 1 < K < D on the D-wide group (``partial_collectives: "dcp"``): the
+  upstream constructor keeps D (the query all-gather, combine and context KV
+  gather span the DCP group). ``build`` runs with the group's local decode
+  lengths, its decode bound ``ceil(L / (K*I)) * I``, and context chunks
   planned over K shards; the layer's combine masks duplicate replicas; the
   decode kernels get ``(K, r % K)`` as their cp world.
 
@@ -44,8 +54,12 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.group_context import current_group_geometry
+from vllm_dcp_geometry.collectives import REPLICA
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.group_context import (
+    current_group_geometry,
+    current_replica_group,
+)
 from vllm_dcp_geometry.metadata_builders import (
     BuilderTeaching,
     attach_local_seq_lens_buffer,
@@ -57,8 +71,10 @@ from vllm_dcp_geometry.mla_geometry import (
     check_context_workspace,
     decode_max_seq_len,
     group_context_chunk_kwargs,
-    make_local_group_getter,
+    make_group_getter,
 )
+from vllm_dcp_geometry.overrides import partial_collectives
+from vllm_dcp_geometry.replica_groups import replica_group
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 RUNS_IN = "worker"
@@ -117,7 +133,12 @@ RELIES_ON: tuple[UpstreamSymbol, ...] = (
     ),
 )
 ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.kimi_k3_mla", "worker.sparse_mla_attention")
+REMOVE_WITH: tuple[str, ...] = (
+    "worker.kimi_k3_mla",
+    "worker.sparse_mla_attention",
+    "worker.mla_dcp_manager",
+    "worker.gpu_worker",
+)
 PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
@@ -148,22 +169,45 @@ def _finish_partial_builder(
 ) -> None:
     if not geometry.is_partial:
         return
+    replica = current_replica_group()
+    if replica is not None and (
+        builder.dcp_world_size != geometry.shard_count
+        or builder.dcp_manager is None
+        or builder.dcp_manager.group is not replica
+    ):
+        raise DcpGeometryError(
+            f"{geometry.describe()}: the MLA builder took a DCP world of "
+            f"{builder.dcp_world_size} and a manager over "
+            f"{getattr(builder.dcp_manager, 'group', None)!r}, not its replica's "
+            "(vLLM's builder no longer asks get_dcp_group)"
+        )
     check_context_workspace(
         geometry, builder.chunked_prefill_workspace_size, builder.page_size
     )
     attach_local_seq_lens_buffer(builder, vllm_config, device)
 
 
+def _replica_group(geometry: GroupGeometry, vllm_config: Any) -> Any:
+    if partial_collectives(vllm_config.additional_config) != REPLICA:
+        return None
+    return replica_group(geometry)
+
+
 BUILDER_TEACHING = BuilderTeaching(
     mla=True,
     # K = 1 builds vLLM's DCP1 builder (workspace, chunk plan, no KV gather);
-    # a partial builder keeps D for the query gather and combine.
+    # a partial builder within its replica is vLLM's builder for K sharded
+    # ranks; on the D-wide group it keeps D for the query gather and combine.
     construct_in_group=lambda geometry: geometry.is_replicated,
     finish=_finish_partial_builder,
+    replica_group=_replica_group,
 )
 
 
 def _decode_bound(common_attn_metadata: Any, geometry: GroupGeometry) -> dict[str, Any]:
+    if current_replica_group() is not None:
+        # Built in its replica's world, upstream bounds over K itself.
+        return {}
     return {
         "max_seq_len": decode_max_seq_len(common_attn_metadata.max_seq_len, geometry)
     }
@@ -176,7 +220,7 @@ def _batch_bound_without_decodes(metadata: Any, common_attn_metadata: Any) -> No
 
 
 def apply(module: ModuleType) -> None:
-    wrap(module, "get_dcp_group", make_local_group_getter)
+    wrap(module, "get_dcp_group", make_group_getter)
     wrap(module, "build_mla_chunked_context_metadata", _make_chunk_planner)
     builder = module.MLACommonMetadataBuilder
     wrap(builder, "__init__", builder_init(BUILDER_TEACHING))

@@ -48,7 +48,7 @@ from vllm_dcp_geometry.metadata_builders import (
 from vllm_dcp_geometry.mla_geometry import (
     CHUNK_PLANNER_PARAMETERS,
     check_context_workspace,
-    make_local_group_getter,
+    make_group_getter,
 )
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -155,7 +155,7 @@ def _require_mla_chunk_planner(module: ModuleType) -> None:
 
 def apply(module: ModuleType) -> None:
     _require_mla_chunk_planner(module)
-    wrap(module, "get_dcp_group", make_local_group_getter)
+    wrap(module, "get_dcp_group", make_group_getter)
     builder = module.SparseMLACommonMetadataBuilder
     wrap(builder, "__init__", builder_init(BUILDER_TEACHING))
     wrap(builder, "_build_chunked_context_fields", _make_context_fields)
