@@ -4,9 +4,9 @@
 
 The replica grouping (``collectives.replica_rank_lists``) and its check,
 which refuses every wrong grouping; the start-up step that makes the groups
-(``replica_groups.make_replica_groups``, called by the
-``Worker.initialize_from_config`` patch), which hands back where no partial MLA group
-exists; and, on D simulated ranks, that a rank given a wrong replica group is
+(``replica_groups.make_replica_groups``, called by the ``Worker.init_device``
+patch), which takes the shard counts from the configuration alone and hands
+back where no partial override exists; and, on D simulated ranks, that a rank given a wrong replica group is
 refused at start-up while the right one runs exactly (the real processes run
 in ``test_cli_ranks``).
 """
@@ -74,87 +74,71 @@ def test_collective_world_and_work() -> None:
 # Start-up ------------------------------------------------------------------------
 
 
-def _kv_cache_config(*shard_counts: int | None) -> Any:
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        MLAAttentionSpec,
-    )
-
-    groups = [
-        KVCacheGroupSpec(
-            [f"model.layers.{i}.self_attn.attn"],
-            MLAAttentionSpec(
-                block_size=16,
-                num_kv_heads=1,
-                head_size=576,
-                dtype=torch.bfloat16,
-                **({} if k is None else {"dcp_kv_shard_count": k}),
-            ),
-        )
-        for i, k in enumerate(shard_counts)
-    ]
-    # A partial FlashAttention group stays on the D-wide group: no replica.
-    groups.append(
-        KVCacheGroupSpec(
-            ["model.layers.9.attn"],
-            FullAttentionSpec(
-                block_size=16,
-                num_kv_heads=1,
-                head_size=64,
-                dtype=torch.bfloat16,
-                dcp_kv_shard_count=4,
-            ),
-        )
-    )
-    return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
 class _Config:
-    def __init__(self, partial_collectives: str | None = None) -> None:
-        section = (
-            {}
-            if partial_collectives is None
-            else {"dcp_geometry": {"partial_collectives": partial_collectives}}
-        )
-        self.additional_config = section
+    """What ``replica_groups`` reads of a ``VllmConfig``."""
+
+    def __init__(
+        self,
+        layers: dict[str, Any] | None = None,
+        partial_collectives: str | None = None,
+        dcp: int = 8,
+        elastic: bool = False,
+    ) -> None:
+        section: dict[str, Any] = {}
+        if layers is not None:
+            section["layers"] = layers
+        if partial_collectives is not None:
+            section["partial_collectives"] = partial_collectives
+        self.additional_config = {"dcp_geometry": section} if section else {}
+        self.parallel_config = type(
+            "Parallel",
+            (),
+            {"decode_context_parallel_size": dcp, "enable_elastic_ep": elastic},
+        )()
 
 
-def test_start_up_makes_the_partial_mla_groups_replicas(
+OVERRIDES = {"*.layers.1.*": 2, "*.layers.2.*": 4, "*.layers.3.*": 2, "x": "sharded"}
+
+
+def test_start_up_makes_a_replica_group_per_partial_k(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """From the configuration alone (so every worker asks the same): each
+    partial K the overrides name, ascending; K = 1, K = D and strings are
+    not partial."""
     from vllm_dcp_geometry import replica_groups as startup
 
     made: list[tuple[int, ...]] = []
-    monkeypatch.setattr(
-        startup, "create_replica_groups", lambda counts: made.append(counts)
-    )
-    config = _kv_cache_config(None, 2, 4, 2)
-    assert startup.make_replica_groups(_Config(), config) == (2, 4)
+    monkeypatch.setattr(startup, "create_replica_groups", made.append)
+    layers = {**OVERRIDES, "*.layers.4.*": 1, "*.layers.5.*": 8, "y": "replicated"}
+    assert startup.make_replica_groups(_Config(layers)) == (2, 4)
     assert made == [(2, 4)]
-    # Kept on the D-wide group by the operator: none made.
-    assert startup.make_replica_groups(_Config("dcp"), config) == ()
+    # Kept on the D-wide group by the operator, or DCP off: none made.
+    assert startup.make_replica_groups(_Config(layers, "dcp")) == ()
+    assert startup.make_replica_groups(_Config({"*": 1}, dcp=1)) == ()
     assert made == [(2, 4)]
+    with pytest.raises(DcpGeometryError, match="elastic expert parallelism"):
+        startup.make_replica_groups(_Config(layers, elastic=True))
 
 
-def test_start_up_hands_back_without_a_partial_mla_group(
+def test_start_up_hands_back_without_a_partial_override(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every group at vLLM's own K: nothing made, and the plugin's config
-    section is not read (a malformed one would raise)."""
+    """D = 1 reads nothing but D (a malformed section is not even parsed);
+    no partial override makes nothing."""
     from vllm_dcp_geometry import replica_groups as startup
 
     def refuse(counts: Any) -> None:
         raise AssertionError(counts)
 
     monkeypatch.setattr(startup, "create_replica_groups", refuse)
-    bad = _Config()
+    bad = _Config(dcp=1)
     bad.additional_config = {"dcp_geometry": {"partial_collectives": "nope"}}
-    assert startup.make_replica_groups(bad, _kv_cache_config(None, None)) == ()
+    assert startup.make_replica_groups(bad) == ()
+    assert startup.make_replica_groups(_Config({"*": "sharded"})) == ()
+    assert startup.make_replica_groups(_Config()) == ()
     with pytest.raises(DcpGeometryError, match="partial_collectives"):
-        startup.make_replica_groups(bad, _kv_cache_config(2))
+        startup.make_replica_groups(_Config({"*": 2}, "nope"))
 
 
 def test_a_builder_without_its_replica_group_is_refused() -> None:
@@ -213,30 +197,25 @@ def test_a_stale_replica_group_is_refused_by_the_builder() -> None:
         )
 
 
-def test_the_worker_makes_them_before_upstream_builds_its_backends(
+def test_the_worker_makes_them_once_its_distributed_state_exists(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``Worker.initialize_from_config`` (both model runners start here) is
-    wrapped, and the wrapper makes the groups before upstream's method."""
+    """``Worker.init_device`` (both model runners start here; the memory
+    profile and the KV cache come later) is wrapped, and the wrapper makes
+    the groups right after upstream's method has made vLLM's groups."""
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_dcp_geometry._patching import FACTORY_ATTR
     from vllm_dcp_geometry.patches.worker import gpu_worker
 
-    assert getattr(Worker.initialize_from_config, FACTORY_ATTR).startswith(
+    assert getattr(Worker.init_device, FACTORY_ATTR).startswith(
         "vllm_dcp_geometry.patches.worker.gpu_worker."
     )
     calls: list[str] = []
     monkeypatch.setattr(
-        gpu_worker, "make_replica_groups", lambda config, kv: calls.append("groups")
+        gpu_worker, "make_replica_groups", lambda config: calls.append("groups")
     )
-    wrapped = gpu_worker._make_initialize_from_config(
-        lambda self, kv: calls.append("upstream")
-    )
-    worker = type("FakeWorker", (), {"vllm_config": _Config()})()
-    wrapped(worker, _kv_cache_config(2))
-    assert calls == ["groups", "upstream"]
-    # No partial MLA group: upstream alone, the worker's config unread.
-    calls.clear()
-    wrapped(object(), _kv_cache_config(None))
-    assert calls == ["upstream"]
+    wrapped = gpu_worker._make_init_device(lambda self: calls.append("upstream"))
+    worker = type("FakeWorker", (), {"vllm_config": _Config(OVERRIDES)})()
+    wrapped(worker)
+    assert calls == ["upstream", "groups"]

@@ -152,7 +152,11 @@ CHANNELS: tuple[SideChannel, ...] = (
         "use_replica_group",
         "current_replica_group",
         ("worker.mla_attention",),
-        ("worker.mla_attention", "worker.mla_dcp_manager"),
+        (
+            "worker.mla_attention",
+            "worker.mla_dcp_manager",
+            "worker.sparse_mla_attention",
+        ),
         "the MLA builder of a partial group whose collectives stay within its "
         "replica, while it is bound and built",
         "MLA's and the DCP ops' `get_dcp_group` answer the replica group (K "

@@ -45,14 +45,16 @@ class LayerBinding(str, enum.Enum):
 
     MLA = "mla"
     """``layer.impl`` and ``layer.dcp_manager``: local for K = 1; for
-    1 < K < D the decode kernel runs in the shard world ``(K, r % K)`` and
-    the layer's combine is replica-masked (``MLAAttention.forward_impl``
-    reads its impl's DCP world)."""
+    1 < K < D the decode kernel runs in the shard world ``(K, r % K)``, and
+    within its replica (rule A6) the layer gets a replica DCP manager and
+    its impl the world K, else the layer's D-wide combine is replica-masked
+    (``MLAAttention.forward_impl`` reads its impl's DCP world)."""
 
     KIMI_K3_MLA = "kimi-k3-mla"
     """As ``MLA``, plus the layer's own DCP gate (``layer.dcp_world_size``,
     which decides the query all-gather, the LSE combine and the prefill
-    context path): 1 for K = 1, D otherwise. Needs the patch
+    context path): its impl's bound world (1 for K = 1, K within the
+    replica, D on the D-wide group). Needs the patch
     ``patches.worker.kimi_k3_mla``, which registers the binder."""
 
     SPARSE_INDEXER_CACHE = "sparse-indexer-cache"

@@ -99,8 +99,9 @@ class ShardWorldForwardMqa:
     ``cp_world``/``cp_rank`` (the kernels' causal position map), the others
     only test them against 1. A local group asks for no LSE (nothing combines
     it; FLASHINFER_MLA's ragged multi-token decode cannot return one). The
-    layer around it still sees the impl's own values: D for a partial group
-    (its all-gather and combine span the DCP group), 1 for a local one.
+    layer around it still sees the impl's own values: K for a partial group
+    within its replica, D for one on the D-wide group (its all-gather and
+    combine span the DCP group), 1 for a local one.
     """
 
     def __init__(
@@ -238,7 +239,8 @@ def group_context_chunk_kwargs(
     kwargs: dict[str, Any], geometry: GroupGeometry
 ) -> dict[str, Any]:
     """The arguments of ``build_mla_chunked_context_metadata`` for a partial
-    group, from the builder's D-wide ones: chunks planned over K shards
+    group. Within its replica: the builder's own (checked to be K's). On the
+    D-wide group, from the builder's D-wide ones: chunks planned over K shards
     (local lengths ``(K, s)``, alignment ``lcm(B, I*K)``, a row budget of N/D
     local rows per rank). The reorganisation after the D-wide gather then
     reads DCP ranks 0..K-1 - replica 0 of every shard - each shard once."""
@@ -253,8 +255,8 @@ def group_context_chunk_kwargs(
         if seen != (k, i, i * k):
             raise DcpGeometryError(
                 f"{geometry.describe()}: the MLA builder of a group within its "
-                f"replica planned its context with (D, I, I*D)={seen}, not the "
-                f"replica's (K={k}, I={i})"
+                f"replica planned its context with (world, I, I*world)={seen}, "
+                f"not the replica's (K={k}, I={i})"
             )
         return kwargs
     if seen != (d, i, i * d):

@@ -2,25 +2,28 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """The replica process groups of partial MLA groups on this worker (rule A6).
 
-At KV-cache initialisation every worker of the torch world calls
-``create_replica_groups`` with the same shard counts (every worker's KV-cache
-config holds every group's spec: vLLM projects the global groups onto each
-worker, keeping their specs), so the groups are made in lockstep: first the
-DCP groups of the whole world are gathered over the world's CPU group, then
-for each partial K, in ascending order, one vLLM ``GroupCoordinator`` over
-all replica rank lists (``collectives.replica_rank_lists``), made by vLLM's
-own ``init_model_parallel_group`` with the DCP group's backend, so it has
-the same device communicator (pynccl, symmetric memory where vLLM enables
-it) a DCP group has. This rank's replica is kept per K for the MLA builders
-and layers of partial groups (``replica_group``), which check it against
-their geometry.
+Every worker calls ``make_replica_groups`` right after vLLM initialises its
+distributed state (``Worker.init_device``), before the memory profile, whose
+CUDA-graph pass already builds attention metadata builders. The shard counts
+come from the configuration alone (``replica_shard_counts``: every partial K
+the operator's overrides name), so every worker of the world asks for the
+same groups in the same order without a collective of its own; the groups are
+then made in lockstep: for each K, ascending, one vLLM ``GroupCoordinator``
+over every replica rank list of every DCP group (the DCP group's
+``group_ranks``, split by ``collectives.replica_rank_lists``), made by vLLM's
+own ``init_model_parallel_group`` with the DCP group's backend, so it has the
+device communicator a DCP group has. This rank's replica is kept per K for
+the MLA builders and layers of partial groups (``replica_group``), which
+check it against their geometry. A K no override names (a model setting
+``dcp_kv_shard_count`` itself) has no replica group: its builder refuses to
+start, naming the way out.
 
 vLLM is imported inside the functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from vllm_dcp_geometry.collectives import DCP_GROUP, REPLICA, replica_rank_lists
@@ -44,39 +47,6 @@ def group_name(shard_count: int) -> str:
     return f"dcp_replica_k{shard_count}"
 
 
-def partial_shard_counts(kv_cache_specs: Iterable[Any]) -> tuple[int, ...]:
-    """The distinct partial K (an explicit ``dcp_kv_shard_count``, which only
-    1 < K < D sets) of the MLA specs among ``kv_cache_specs``, ascending;
-    specs of a ``UniformTypeKVCacheSpecs`` are looked into."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
-
-    counts: set[int] = set()
-    pending = list(kv_cache_specs)
-    while pending:
-        spec = pending.pop()
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            pending.extend(spec.kv_cache_specs.values())
-            continue
-        count = getattr(spec, "dcp_kv_shard_count", None)
-        if isinstance(spec, MLAAttentionSpec) and count is not None:
-            counts.add(count)
-    return tuple(sorted(counts))
-
-
-def world_dcp_groups() -> list[list[int]]:
-    """Every DCP group of the torch world (global ranks in DCP-rank order),
-    gathered from every rank over the world's CPU group: a collective."""
-    import torch.distributed as dist
-    from vllm.distributed import parallel_state
-
-    dcp = parallel_state.get_dcp_group()
-    world = parallel_state.get_world_group()
-    gathered: list[Any] = [None] * world.world_size
-    dist.all_gather_object(gathered, list(dcp.ranks), group=world.cpu_group)
-    distinct = {tuple(ranks) for ranks in gathered}
-    return [list(ranks) for ranks in sorted(distinct, key=lambda ranks: ranks[0])]
-
-
 def create_replica_groups(shard_counts: Sequence[int]) -> dict[int, Any]:
     """Make (once per K, every rank in lockstep) the replica groups of each
     partial K in ``shard_counts``; this rank's replica per K."""
@@ -91,7 +61,7 @@ def create_replica_groups(shard_counts: Sequence[int]) -> dict[int, Any]:
     wanted = sorted({k for k in shard_counts if k not in _REPLICA_GROUPS})
     if not wanted:
         return dict(_REPLICA_GROUPS)
-    dcp_groups = world_dcp_groups()
+    dcp_groups = [list(ranks) for ranks in dcp.group_ranks]
     backend = str(dist.get_backend(dcp.device_group))
     local_rank = parallel_state.get_world_group().local_rank
     for shard_count in wanted:
@@ -107,17 +77,44 @@ def create_replica_groups(shard_counts: Sequence[int]) -> dict[int, Any]:
     return dict(_REPLICA_GROUPS)
 
 
-def make_replica_groups(vllm_config: Any, kv_cache_config: Any) -> tuple[int, ...]:
-    """What every worker does at KV-cache initialisation: make the replica
-    groups its config's partial MLA groups need (in lockstep); the shard
-    counts made (empty: none needed, and then nothing else is read)."""
-    counts = partial_shard_counts(
-        group.kv_cache_spec for group in kv_cache_config.kv_cache_groups
-    )
+def replica_shard_counts(vllm_config: Any) -> tuple[int, ...]:
+    """The partial K (1 < K < D) the operator's overrides can give a layer,
+    ascending, where partial MLA groups collective within their replica;
+    empty at D = 1, without such an override, or with
+    ``partial_collectives: "dcp"``. Read from the configuration alone, so
+    the same on every worker; a K only non-MLA layers take gets a group that
+    nothing uses."""
+    from vllm_dcp_geometry.overrides import parse_overrides
+
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    if dcp == 1:
+        return ()
+    additional = vllm_config.additional_config
+    counts = {
+        o.value
+        for o in parse_overrides(additional)
+        if isinstance(o.value, int) and 1 < o.value < dcp
+    }
+    if not counts or partial_collectives(additional) != REPLICA:
+        return ()
+    return tuple(sorted(counts))
+
+
+def make_replica_groups(vllm_config: Any) -> tuple[int, ...]:
+    """What every worker does once its distributed state exists: make the
+    replica groups of ``replica_shard_counts`` (every worker in lockstep);
+    the K made for (empty: none needed, and nothing else is read)."""
+    counts = replica_shard_counts(vllm_config)
     if not counts:
         return ()
-    if partial_collectives(vllm_config.additional_config) != REPLICA:
-        return ()
+    if getattr(vllm_config.parallel_config, "enable_elastic_ep", False):
+        raise DcpGeometryError(
+            f"partial shard counts {list(counts)} within their replica need "
+            "replica process groups, which elastic expert parallelism's "
+            "stateless groups cannot hold; set "
+            f"additional_config[{CONFIG_KEY!r}][{PARTIAL_COLLECTIVES_KEY!r}] to "
+            f"{DCP_GROUP!r}"
+        )
     create_replica_groups(counts)
     return counts
 

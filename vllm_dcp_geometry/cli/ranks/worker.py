@@ -41,7 +41,11 @@ from vllm_dcp_geometry.mla_rank_run import (
     mla_reference,
     write_deepseek_config,
 )
-from vllm_dcp_geometry.overrides import CONFIG_KEY, PARTIAL_COLLECTIVES_KEY
+from vllm_dcp_geometry.overrides import (
+    CONFIG_KEY,
+    LAYERS_KEY,
+    PARTIAL_COLLECTIVES_KEY,
+)
 
 LAYER = "model.layers.0.self_attn.attn"
 
@@ -598,27 +602,24 @@ def run_group(group: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
 def make_replica_groups(
     plan: dict[str, Any], shape: Shape, path: Path, device: str
 ) -> tuple[int, ...]:
-    """What every worker does at KV-cache initialisation: the start-up
-    code (``replica_groups.make_replica_groups``, which the
-    ``Worker.initialize_from_config`` patch calls) on a real
-    ``KVCacheConfig`` holding every group of the plan; the K made."""
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-
+    """What every ``vllm serve`` worker does once its distributed state
+    exists (the ``Worker.init_device`` patch): ``replica_groups.make_replica_groups``
+    on a real ``VllmConfig`` whose overrides give each group of the plan its
+    K, as an operator's would; the K made."""
     from vllm_dcp_geometry.replica_groups import (
-        make_replica_groups as at_kv_cache_init,
+        make_replica_groups as at_init_device,
     )
 
-    world = plan["world"]
-    config = vllm_config(path, world, 1, 16, shape, device, plan["partial_collectives"])
-    kv_cache_config = KVCacheConfig(
-        num_blocks=1,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec([f"{LAYER}.{g['index']}"], group_spec(g, shape, True))
-            for g in plan["groups"]
-        ],
-    )
-    return at_kv_cache_init(config, kv_cache_config)
+    config = vllm_config(path, plan["world"], 1, 16, shape, device)
+    config.additional_config = {
+        CONFIG_KEY: {
+            LAYERS_KEY: {
+                f"{LAYER}.{g['index']}": g["shard_count"] for g in plan["groups"]
+            },
+            PARTIAL_COLLECTIVES_KEY: plan["partial_collectives"],
+        }
+    }
+    return at_init_device(config)
 
 
 def run_rank(plan: dict[str, Any]) -> dict[str, Any]:

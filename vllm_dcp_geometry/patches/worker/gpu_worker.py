@@ -1,26 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """Patch ``vllm.v1.worker.gpu_worker``: every worker makes the replica process
-groups of partial MLA groups at KV-cache initialisation (rule A6).
+groups of partial MLA groups once its distributed state exists (rule A6).
 
-What: wraps ``Worker.initialize_from_config``. Where the KV-cache config
-holds a partial MLA group (an MLA spec with an explicit
-``dcp_kv_shard_count``) and the operator has not set
-``partial_collectives: "dcp"``, ``replica_groups.make_replica_groups`` makes
-the replica groups of the config's partial shard counts before upstream's
-(which builds the attention backends, whose MLA builders then take their
-replica). Both model
-runners initialise through this method, and every worker of the world calls
-it with the same groups (vLLM projects the global groups onto each worker,
-keeping every group's spec), so the groups are made in lockstep.
+What: wraps ``Worker.init_device``. After upstream's (which initialises
+vLLM's distributed state), ``replica_groups.make_replica_groups`` makes the
+replica groups of every partial K the operator's overrides name, unless
+``partial_collectives`` is ``"dcp"``. Every worker of the world runs
+``init_device`` and derives the same shard counts from the same
+configuration, so the groups are made in lockstep, before the memory profile
+(whose CUDA-graph pass already builds the attention metadata builders, and
+which then counts the groups' communicators) and before the KV cache exists.
+Both model runners start here. Elastic expert parallelism (stateless process
+groups) is refused with a partial K within replicas, naming the way out.
 
 Why: vLLM 0.33.0 makes only the D-wide DCP group; a partial group on it
 moves D-rank traffic and attends every rank's query heads over its shard,
 with D/K replicas weighted 0.
 
-Hand-back: with no partial MLA spec in the config (every DCP1 config, every
-group at vLLM's own K) upstream's method runs alone; only the specs are read
-(not the worker's config).
+Hand-back: at D = 1, and at D > 1 with no partial override, nothing is made
+after upstream's method (the override section is read, as the spec patch
+reads it on every worker).
 
 Graph capture, custom all-reduce, a2a: vLLM's ``graph_capture`` enters the
 TP, PP and DP groups' capture contexts only, not the DCP group's, and the
@@ -40,7 +40,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.replica_groups import make_replica_groups, partial_shard_counts
+from vllm_dcp_geometry.replica_groups import make_replica_groups
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu_worker"
 RUNS_IN = "worker"
@@ -53,7 +53,7 @@ RELATED = "none upstream: vLLM knows K in {1, D} only"
 
 _M = UPSTREAM_MODULE
 REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "Worker.initialize_from_config", "self, kv_cache_config"),
+    UpstreamSymbol(_M, "Worker.init_device", "self"),
 )
 RELIES_ON: tuple[UpstreamSymbol, ...] = ()
 ADDS: tuple[str, ...] = ()
@@ -61,17 +61,13 @@ REMOVE_WITH: tuple[str, ...] = ("worker.mla_attention",)
 PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
-def _make_initialize_from_config(
-    original: Callable[..., None],
-) -> Callable[..., None]:
-    def initialize_from_config(self: Any, kv_cache_config: Any) -> None:
-        specs = (group.kv_cache_spec for group in kv_cache_config.kv_cache_groups)
-        if partial_shard_counts(specs):
-            make_replica_groups(self.vllm_config, kv_cache_config)
-        original(self, kv_cache_config)
+def _make_init_device(original: Callable[..., None]) -> Callable[..., None]:
+    def init_device(self: Any) -> None:
+        original(self)
+        make_replica_groups(self.vllm_config)
 
-    return initialize_from_config
+    return init_device
 
 
 def apply(module: ModuleType) -> None:
-    wrap(module.Worker, "initialize_from_config", _make_initialize_from_config)
+    wrap(module.Worker, "init_device", _make_init_device)
