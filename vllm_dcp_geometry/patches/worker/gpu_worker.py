@@ -9,8 +9,8 @@ replica groups of every partial K the operator's overrides name, unless
 ``partial_collectives`` is ``"dcp"``. Every worker of the world runs
 ``init_device`` and derives the same shard counts from the same
 configuration, so the groups are made in lockstep, before the memory profile
-(whose CUDA-graph pass already builds the attention metadata builders, and
-which then counts the groups' communicators) and before the KV cache exists.
+(whose CUDA-graph pass already builds the attention metadata builders) and
+before the KV cache exists.
 Both model runners start here. Elastic expert parallelism (stateless process
 groups) is refused with a partial K within replicas, naming the way out.
 
