@@ -219,3 +219,89 @@ def test_the_worker_makes_them_once_its_distributed_state_exists(
     worker = type("FakeWorker", (), {"vllm_config": _Config(OVERRIDES)})()
     wrapped(worker)
     assert calls == ["upstream", "groups"]
+
+
+# The checks that a reader took the replica channel ---------------------------------
+
+
+def _partial_geometry() -> Any:
+    from vllm_dcp_geometry.contract import GroupGeometry
+
+    return GroupGeometry("group g", 2, 4, 3, default_shard_count=4)
+
+
+def test_replica_dcp_ranks_are_the_contracts() -> None:
+    from vllm_dcp_geometry.contract import GroupGeometry
+
+    assert [list(GroupGeometry("g", 2, 8, r).replica_dcp_ranks) for r in (0, 3, 7)] == [
+        [0, 1],
+        [2, 3],
+        [6, 7],
+    ]
+    assert list(GroupGeometry("g", 1, 4, 2).replica_dcp_ranks) == [2]
+
+
+def test_a_replica_manager_that_ignores_the_replica_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``replica_manager`` remakes a layer's ``MLADCPManager`` with vLLM's
+    constructor; a manager made without the patch, or a constructor that no
+    longer asks ``get_dcp_group``, is refused."""
+    from vllm.v1.attention.ops import dcp
+
+    from vllm_dcp_geometry.mla_geometry import MANAGER_ARGS_ATTR, replica_manager
+
+    replica = object()
+    blank = dcp.MLADCPManager.__new__(dcp.MLADCPManager)
+    with pytest.raises(DcpGeometryError, match="mla_dcp_manager applied"):
+        replica_manager(blank, replica, "layer L")
+
+    class Manager:
+        def __init__(self, group: Any) -> None:
+            self.group = group
+
+    ignoring = Manager("the D-wide group")
+    setattr(ignoring, MANAGER_ARGS_ATTR, (("the D-wide group",), {}))
+    with pytest.raises(DcpGeometryError, match="no longer ask get_dcp_group"):
+        replica_manager(ignoring, replica, "layer L")
+
+
+def test_a_builder_that_ignores_the_replica_is_refused() -> None:
+    """The MLA builder patch's finishing step: a builder that took D (not
+    the replica's K) or another manager is refused."""
+    from vllm_dcp_geometry.group_context import use_replica_group
+    from vllm_dcp_geometry.patches.worker.mla_attention import (
+        _finish_partial_builder,
+    )
+
+    replica = object()
+    manager = type("Manager", (), {"group": replica})()
+    builder = type(
+        "Builder",
+        (),
+        {"dcp_world_size": 4, "dcp_manager": manager, "page_size": 16},
+    )()
+    with (
+        use_replica_group(replica),
+        pytest.raises(DcpGeometryError, match="no longer asks get_dcp_group"),
+    ):
+        _finish_partial_builder(builder, _partial_geometry(), None, None)
+
+
+def test_a_d_wide_context_plan_within_a_replica_is_refused() -> None:
+    """Within its replica the chunk planner must see the replica's (K, I,
+    I*K); the builder's D-wide arguments are refused, not rewritten."""
+    from vllm_dcp_geometry.group_context import use_replica_group
+    from vllm_dcp_geometry.mla_geometry import group_context_chunk_kwargs
+
+    kwargs = {
+        "dcp_world_size": 4,
+        "dcp_local_block_size": 1,
+        "dcp_virtual_block_size": 4,
+        "chunked_prefill_workspace_size": 64,
+    }
+    with use_replica_group(object()):
+        with pytest.raises(DcpGeometryError, match="not the replica's"):
+            group_context_chunk_kwargs(kwargs, _partial_geometry())
+        within = {**kwargs, "dcp_world_size": 2, "dcp_virtual_block_size": 2}
+        assert group_context_chunk_kwargs(within, _partial_geometry()) == within

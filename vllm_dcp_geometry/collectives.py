@@ -20,7 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_dcp_geometry.contract import DcpGeometryError, check_shard_count_divides
+from vllm_dcp_geometry.contract import (
+    DcpGeometryError,
+    GroupGeometry,
+    check_shard_count_divides,
+)
 
 REPLICA = "replica"
 """Partial MLA groups collective within their replica (K ranks): the default."""
@@ -43,11 +47,11 @@ def replica_rank_lists(
     ``q < D/K``. The list is checked (``check_replica_grouping``)."""
     replicas = []
     for ranks in dcp_groups:
-        check_shard_count_divides(
-            f"the DCP group {list(ranks)}", shard_count, len(ranks), name="shard count"
-        )
-        for start in range(0, len(ranks), shard_count):
-            replicas.append(list(ranks[start : start + shard_count]))
+        owner = f"the DCP group {list(ranks)}"
+        check_shard_count_divides(owner, shard_count, len(ranks), name="shard count")
+        for first in range(0, len(ranks), shard_count):
+            members = GroupGeometry(owner, shard_count, len(ranks), first)
+            replicas.append([ranks[i] for i in members.replica_dcp_ranks])
     check_replica_grouping(replicas, dcp_groups, shard_count)
     return replicas
 
@@ -81,7 +85,12 @@ def check_replica_grouping(
         groups = {position[r][0] for r in replica}
         if len(groups) != 1:
             raise DcpGeometryError(f"{where}: spans several DCP groups")
-        shards = [position[r][1] % shard_count for r in replica]
+        shards = [
+            GroupGeometry(
+                where, shard_count, len(dcp_groups[position[r][0]]), position[r][1]
+            ).shard
+            for r in replica
+        ]
         if shards != list(range(shard_count)):
             raise DcpGeometryError(
                 f"{where}: holds shards {shards}, not each of 0..{shard_count - 1} "

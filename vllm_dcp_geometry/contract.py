@@ -199,6 +199,13 @@ class GroupGeometry:
         return self.dcp_rank // self.shard_count
 
     @property
+    def replica_dcp_ranks(self) -> range:
+        """Rule A6: the DCP ranks ``q*K .. q*K + K - 1`` of this rank's
+        replica, which hold shards ``0 .. K-1`` in order."""
+        first = self.replica * self.shard_count
+        return range(first, first + self.shard_count)
+
+    @property
     def replica_count(self) -> int:
         """``D / K``: identical copies of every shard."""
         return self.dcp_world_size // self.shard_count

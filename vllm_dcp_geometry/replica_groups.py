@@ -120,8 +120,10 @@ def make_replica_groups(vllm_config: Any) -> tuple[int, ...]:
 
 
 def _check_member(coordinator: Any, dcp: Any, shard_count: int) -> None:
-    start = dcp.rank_in_group // shard_count * shard_count
-    expected = list(dcp.ranks[start : start + shard_count])
+    geometry = GroupGeometry(
+        "replica group", shard_count, dcp.world_size, dcp.rank_in_group
+    )
+    expected = [dcp.ranks[i] for i in geometry.replica_dcp_ranks]
     if list(coordinator.ranks) != expected or coordinator.world_size != shard_count:
         raise DcpGeometryError(
             f"the K={shard_count} replica group of DCP rank {dcp.rank_in_group} "

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tests.support.vllm_configs import make_vllm_config
-from vllm_dcp_geometry.contract import cdiv, reference_slot_mapping
+from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
 from vllm_dcp_geometry.mla_rank_run import (
     STAND_IN_OPS,
     build_mla_layer,
@@ -185,12 +185,16 @@ class SimulatedReplica(SimulatedGroup):
     replica's tensors."""
 
     def __init__(
-        self, ranks: CooperativeRanks | None, dcp_rank: int, shard_count: int
+        self,
+        ranks: CooperativeRanks | None,
+        dcp_world: int,
+        dcp_rank: int,
+        shard_count: int,
     ) -> None:
-        super().__init__(ranks, shard_count, dcp_rank % shard_count)
-        first = dcp_rank // shard_count * shard_count
+        geometry = GroupGeometry("replica", shard_count, dcp_world, dcp_rank)
+        super().__init__(ranks, shard_count, geometry.shard)
         self.dcp_rank = dcp_rank
-        self.ranks = list(range(first, first + shard_count))
+        self.ranks = list(geometry.replica_dcp_ranks)
 
     def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         assert self.coop is not None, "collective outside a simulated forward"
@@ -210,7 +214,7 @@ def replica_groups_of(
 
     def replica(k: int) -> SimulatedGroup:
         group = (
-            SimulatedReplica(dcp.coop, dcp.rank_in_group, k)
+            SimulatedReplica(dcp.coop, dcp.world_size, dcp.rank_in_group, k)
             if make is None
             else make(k)
         )

@@ -33,7 +33,7 @@ from typing import Any
 from vllm_dcp_geometry.cli.ranks import cpu
 from vllm_dcp_geometry.cli.ranks.cases import Shape, decode_requests, prefill_requests
 from vllm_dcp_geometry.collectives import collective_bytes
-from vllm_dcp_geometry.contract import cdiv, reference_slot_mapping
+from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
 from vllm_dcp_geometry.mla_rank_run import (
     STAND_IN_OPS,
     build_mla_layer,
@@ -508,7 +508,7 @@ def run_group(group: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     world, rank, device = ctx["world"], ctx["rank"], ctx["device"]
     traffic: Traffic = ctx["traffic"]
     k, block = group["shard_count"], group["block_size"]
-    group = {**group, "shard": rank % k}
+    group = {**group, "shard": GroupGeometry(group["name"], k, world, rank).shard}
     heads = world * shape.heads_per_rank
     gen = torch.Generator().manual_seed(ctx["seed"] + 7919 * group["index"])
     weight = torch.randn(
