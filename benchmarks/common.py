@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
+from vllm_dcp_geometry.tooling.fresh_process import FreshProcessError, run_fresh_python
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -43,7 +43,7 @@ def run_child(
     """Run ``python argv...`` in a fresh interpreter; return its last JSON line.
 
     Unpatched children get ``VLLM_PLUGINS=""``, so nothing loads the plugin
-    (``vllm_dcp_geometry._fresh_process``, the one runner of fresh processes).
+    (``vllm_dcp_geometry.tooling.fresh_process``, the one runner of fresh processes).
     """
     try:
         return run_fresh_python(

@@ -55,7 +55,7 @@ def _build_tables(
 ) -> tuple[Any, list[str]]:
     from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
 
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     dcp = topology.decode_context_parallel_size
     interleave = topology.interleave_size
@@ -64,7 +64,7 @@ def _build_tables(
     names = [g.name for g in topology.groups]
     pin = device.type == "cuda"
     if patched:
-        from vllm_dcp_geometry.geometry import block_table_layout
+        from vllm_dcp_geometry.runtime.geometry import block_table_layout
 
         layout = block_table_layout(
             list(zip(names, specs, strict=True)), config, MAX_LEN, dcp, DCP_RANK
@@ -213,8 +213,8 @@ def child(patched: bool, cpu: bool) -> dict[str, Any]:
         vllm_dcp_geometry.register()
     import torch
 
-    from vllm_dcp_geometry import vllm_objects as _vllm
-    from vllm_dcp_geometry.topology import load_profile
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling.topology import load_profile
 
     if _vllm.is_vllm_patched() != patched:
         raise RuntimeError("the process is not in the mode it was started for")

@@ -23,8 +23,11 @@ from vllm_dcp_geometry.contract import (
     recurrent_align_block_table_width,
     virtual_block_size,
 )
-from vllm_dcp_geometry.geometry import BLOCK_TABLE_ENTRY_BYTES, runner_table_width
-from vllm_dcp_geometry.topology import Topology, load_profile, profile_names
+from vllm_dcp_geometry.runtime.geometry import (
+    BLOCK_TABLE_ENTRY_BYTES,
+    runner_table_width,
+)
+from vllm_dcp_geometry.tooling.topology import Topology, load_profile, profile_names
 
 GIB = 1 << 30
 CAPACITY_BUDGET_BYTES = 100 * GIB
@@ -61,8 +64,8 @@ def block_table_memory(topology: Topology) -> dict[str, Any]:
     """Block-table bytes per rank: the contract's layout, the exact minimum
     and a single-width layout. Raises ``MemoryCheckError`` if the contract's
     table is not the minimum up to the runner's alignment."""
-    from vllm_dcp_geometry import vllm_objects as _vllm
-    from vllm_dcp_geometry.cli.plan import document as plan
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling.cli.plan import document as plan
 
     dcp = topology.decode_context_parallel_size
     seqs = topology.max_num_seqs
@@ -141,7 +144,7 @@ def kv_capacity(
     """Per rank, for a KV budget: attention tokens it holds and concurrent
     ``request_tokens``-token requests, with K as configured, all attention
     replicated (K = 1) and all attention sharded (K = D)."""
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     sized = topology.with_layout(max_model_len=request_tokens)
     dcp = sized.decode_context_parallel_size

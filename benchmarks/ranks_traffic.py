@@ -34,8 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_dcp_geometry.cli.common.text_table import render_table
-from vllm_dcp_geometry.topology import Topology, topology_from_mapping
+from vllm_dcp_geometry.tooling.cli.common.text_table import render_table
+from vllm_dcp_geometry.tooling.topology import Topology, topology_from_mapping
 
 WORLDS = (4, 8)
 BLOCK_SIZE = 16
@@ -72,8 +72,8 @@ def traffic_topology(dcp: int) -> Topology:
 
 
 def measure(dcp: int, *, baseline: bool, progress: bool) -> list[dict[str, Any]]:
-    from vllm_dcp_geometry.cli.ranks.run import run_ranks
-    from vllm_dcp_geometry.collectives import DCP_GROUP, REPLICA
+    from vllm_dcp_geometry.contract.collectives import DCP_GROUP, REPLICA
+    from vllm_dcp_geometry.tooling.cli.ranks.run import run_ranks
 
     topology = traffic_topology(dcp)
     before = run_ranks(

@@ -82,7 +82,7 @@ def _same_calls(row: dict[str, Any]) -> str:
 
 
 def _scheduler_table(doc: dict[str, Any]) -> list[str]:
-    from vllm_dcp_geometry.cli.common.text_table import render_table
+    from vllm_dcp_geometry.tooling.cli.common.text_table import render_table
 
     rows = []
     for r in doc["scheduler"]:
@@ -139,7 +139,7 @@ def _scheduler_table(doc: dict[str, Any]) -> list[str]:
 
 
 def _memory_tables(doc: dict[str, Any]) -> list[str]:
-    from vllm_dcp_geometry.cli.common.text_table import render_table
+    from vllm_dcp_geometry.tooling.cli.common.text_table import render_table
 
     out: list[str] = []
     if doc.get("memory"):
@@ -168,7 +168,7 @@ def _memory_tables(doc: dict[str, Any]) -> list[str]:
 
 
 def _capacity_table(capacity: list[dict[str, Any]]) -> list[str]:
-    from vllm_dcp_geometry.cli.common.text_table import render_table
+    from vllm_dcp_geometry.tooling.cli.common.text_table import render_table
 
     first = capacity[0]
     rows = []

@@ -170,7 +170,7 @@ def measure(
     workload: str, dcp: int, repeats: int, *, profile: bool = False
 ) -> dict[str, Any]:
     """Run ``workload`` ``repeats`` times in this process; JSON-ready result."""
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     patched = _vllm.is_vllm_patched()
     topology = workload_topology(workload, dcp)
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     startup = _time_register(patched)
     applied = startup.pop("_applied_ns", {})
     result = measure(args.workload, args.dcp, args.repeats, profile=args.profile)
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     if _vllm.is_vllm_patched() != patched:
         raise RuntimeError(f"a {args.mode} run found vLLM in the other state")

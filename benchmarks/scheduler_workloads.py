@@ -66,7 +66,7 @@ class Timer:
 
 def workload_topology(workload: str, dcp: int) -> Any:
     """The profile with the workload's layout applied."""
-    from vllm_dcp_geometry.topology import load_profile
+    from vllm_dcp_geometry.tooling.topology import load_profile
 
     topology = load_profile(PROFILE)
     if workload == "replay":
@@ -91,7 +91,7 @@ def build_manager(
     request of each length in ``lengths`` at once (by vLLM's own per-request
     rule, plus a page per group of headroom); built by the CLI's
     ``_vllm.build_kv_cache_manager``, as ``replay`` builds it."""
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     config = _vllm.sizing_config(topology, enable_prefix_caching=caching)
     specs = [_vllm.build_spec(g, topology, patched=patched) for g in topology.groups]

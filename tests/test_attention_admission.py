@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from vllm_dcp_geometry.attention_admission import (
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.contract.attention_admission import (
     TAUGHT_BACKENDS,
     AttentionKind,
     AttentionMode,
     admit_attention,
     is_mla_backend_name,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError
 
 OWNER = "KV-cache group 2 (model.layers.3.self_attn.attn)"
 MLA = AttentionKind.MLA
@@ -195,7 +195,7 @@ def test_a_group_layer_without_an_impl_is_refused_for_every_k_below_d() -> None:
     from types import SimpleNamespace
 
     from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-    from vllm_dcp_geometry.layer_binding import bind_group_layers
+    from vllm_dcp_geometry.runtime.layer_binding import bind_group_layers
 
     impl = SimpleNamespace(dcp_world_size=4, dcp_rank=3, pcp_world_size=1)
     config = SimpleNamespace(
@@ -217,7 +217,7 @@ def test_a_replicated_impl_under_pcp_is_not_left_on_the_dcp_path() -> None:
     from types import SimpleNamespace
 
     from vllm_dcp_geometry.contract import DcpGeometryError
-    from vllm_dcp_geometry.impl_binding import make_impl_local
+    from vllm_dcp_geometry.runtime.impl_binding import make_impl_local
 
     impl = SimpleNamespace(dcp_world_size=4, dcp_rank=3, pcp_world_size=1)
     make_impl_local(impl)

@@ -21,7 +21,7 @@ from tests.support.attention import (
 )
 from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 
 pytestmark = pytest.mark.patches(
     "worker.utils", "worker.flash_attn", "worker.flashinfer", "worker.mla_attention"
@@ -222,7 +222,7 @@ def test_flashinfer_prefill_wrapper_is_replica_masked_or_refused() -> None:
     import vllm.v1.attention.backends.flashinfer as flashinfer
 
     from vllm_dcp_geometry.contract import GroupGeometry
-    from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
+    from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
 
     builder = object.__new__(flashinfer.FlashInferMetadataBuilder)
     geometry = GroupGeometry("g", 2, 4, 3, default_shard_count=4)

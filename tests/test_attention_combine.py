@@ -22,8 +22,8 @@ import torch
 
 from tests.support.attention import triton_interpreter_constexprs  # noqa: F401
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
-from vllm_dcp_geometry.impl_binding import mask_combine
-from vllm_dcp_geometry.metadata_builders import group_local_seq_lens
+from vllm_dcp_geometry.runtime.impl_binding import mask_combine
+from vllm_dcp_geometry.runtime.metadata_builders import group_local_seq_lens
 
 BLOCK_SIZE = 8
 HEAD_DIM = 16

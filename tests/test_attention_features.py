@@ -129,7 +129,7 @@ def test_vllms_dcp_path_still_drops_them() -> None:
     DCP path this fails, and ``DCP_DROPPED_FEATURES`` can shrink."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-    from vllm_dcp_geometry._patching import original_of
+    from vllm_dcp_geometry.runtime.patching import original_of
 
     dcp_path = inspect.getsource(original_of(FlashAttentionImpl._forward_with_dcp))
     forward = inspect.getsource(original_of(FlashAttentionImpl.forward))
@@ -142,7 +142,7 @@ def test_vllms_dcp_path_still_drops_them() -> None:
 
 
 def test_plan_refuses_what_start_up_refuses(tmp_path: Path, capsys) -> None:
-    from vllm_dcp_geometry.cli import main
+    from vllm_dcp_geometry.tooling.cli import main
 
     topology = tmp_path / "sinks.toml"
     topology.write_text(

@@ -25,9 +25,9 @@ from tests.support.attention import (
 )
 from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import GroupGeometry, local_seq_len
-from vllm_dcp_geometry.group_context import use_group_geometry
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
-from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
+from vllm_dcp_geometry.runtime.group_context import use_group_geometry
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
 
 pytestmark = pytest.mark.patches("worker.flash_attn", "worker.flashinfer")
 
@@ -121,7 +121,7 @@ def test_flashinfer_local_lengths_follow_the_group(dcp: int) -> None:
     its trtllm decode reads ``dcp_local_seq_lens``: both must be the group's."""
     import vllm.v1.attention.backends.flashinfer as flashinfer
 
-    from vllm_dcp_geometry.metadata_builders import (
+    from vllm_dcp_geometry.runtime.metadata_builders import (
         LOCAL_SEQ_LENS_BUFFER_ATTR,
         with_group_local_seq_lens,
     )

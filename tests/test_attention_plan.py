@@ -21,9 +21,9 @@ from tests.support.mla import (
     model_dir,
     process_groups,
 )
-from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.topology import load_profile
+from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vllm_dcp_geometry.tooling.topology import load_profile
 
 pytestmark = pytest.mark.patches("worker.utils")
 
@@ -98,7 +98,7 @@ def test_refused_group_exits_2_with_the_start_up_message(capsys) -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.worker.utils import AttentionGroup
 
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     # TOKENSPEED_MLA runs the DSpark draft under DCP in vLLM, but the plugin
     # has not taught it a K.
@@ -144,7 +144,7 @@ def test_non_causal_dcp_backends_are_vllms() -> None:
     backend classes say (FLASH_ATTN_MLA and a few others need CUDA)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_dcp_geometry.cli.plan.attention import NON_CAUSAL_DCP_MLA_BACKENDS
+    from vllm_dcp_geometry.tooling.cli.plan.attention import NON_CAUSAL_DCP_MLA_BACKENDS
 
     checked = 0
     for member in AttentionBackendEnum:

@@ -19,7 +19,7 @@ from benchmarks.__main__ import validate_results
 from benchmarks.common import RESULTS_DIR, pair_summary
 from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import cdiv
-from vllm_dcp_geometry.topology import load_profile, profile_names
+from vllm_dcp_geometry.tooling.topology import load_profile, profile_names
 
 PROFILES = profile_names()
 
@@ -34,7 +34,7 @@ def _aligned(width: int, block_size: int, token_alignment: int | None) -> int:
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_block_table_memory_is_the_contract_minimum(name: str) -> None:
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     topology = load_profile(name)
     result = memory.block_table_memory(topology)
@@ -83,7 +83,7 @@ def test_default_profile_widths_match_the_contract_examples() -> None:
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_kv_capacity_uses_vllm_pages_and_the_contract(name: str) -> None:
-    from vllm_dcp_geometry import vllm_objects as _vllm
+    from vllm_dcp_geometry.tooling import vllm_objects as _vllm
 
     budget = 100 << 30
     result = memory.kv_capacity(load_profile(name), budget_bytes=budget)

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.support.simulate import attention_group
-from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from vllm_dcp_geometry.topology.limits import (
+from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vllm_dcp_geometry.tooling.topology.limits import (
     INT32_MAX,
     REPLAY_MAX_POOL_PAGES,
     REPLAY_MAX_TOKENS,

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""The layout of ``vllm_dcp_geometry/cli/``: one package per command, shared
+"""The layout of ``vllm_dcp_geometry/tooling/cli/``: one package per command, shared
 helpers in ``cli/common``, no import circle, library code outside.
 
 - ``cli/__init__.py`` holds ``main`` and the parser only; every command is a
@@ -28,7 +28,7 @@ from pathlib import Path
 from tests.support.sources import module_name, write_module
 
 REPO = Path(__file__).resolve().parent.parent
-CLI = "vllm_dcp_geometry.cli"
+CLI = "vllm_dcp_geometry.tooling.cli"
 PARSER_NAMES = {"main", "build_parser", "_Parser", "_add_common_flags"}
 """What ``cli/__init__.py`` may define: ``main`` and the parser."""
 COMMAND_NAMES = {"HELP", "add_arguments", "command"}
@@ -94,7 +94,7 @@ def parent_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def layout_problems(root: Path) -> list[str]:
     """What breaks the layout rules other than imports."""
-    cli = root / "vllm_dcp_geometry" / "cli"
+    cli = root / "vllm_dcp_geometry" / "tooling" / "cli"
     problems = []
     tree = ast.parse((cli / "__init__.py").read_text(encoding="utf-8"))
     defined = {
@@ -145,7 +145,7 @@ def layout_problems(root: Path) -> list[str]:
 
 def test_the_cli_has_no_import_circle_and_no_child_imports_its_parent() -> None:
     graph = import_graph(REPO)
-    assert {"vllm_dcp_geometry.cli.simulate.run", CLI} <= set(graph)
+    assert {"vllm_dcp_geometry.tooling.cli.simulate.run", CLI} <= set(graph)
     assert import_circles(graph) == []
     assert parent_imports(graph) == []
 
@@ -157,7 +157,7 @@ def test_the_cli_is_one_package_per_command() -> None:
 def test_the_commands_simulation_options_carry_no_test_hook() -> None:
     import dataclasses
 
-    from vllm_dcp_geometry.cli.simulate.options import (
+    from vllm_dcp_geometry.tooling.cli.simulate.options import (
         SimulationHooks,
         SimulationOptions,
     )
@@ -172,34 +172,34 @@ def _good_tree(root: Path) -> None:
     write_module(
         root,
         "vllm_dcp_geometry/__main__.py",
-        "from vllm_dcp_geometry.cli import main\n",
+        "from vllm_dcp_geometry.tooling.cli import main\n",
     )
-    write_module(root, "vllm_dcp_geometry/vllm_objects.py", "")
+    write_module(root, "vllm_dcp_geometry/tooling/vllm_objects.py", "")
     write_module(
         root,
-        "vllm_dcp_geometry/cli/__init__.py",
-        "from vllm_dcp_geometry.cli import plan\n"
+        "vllm_dcp_geometry/tooling/cli/__init__.py",
+        "from vllm_dcp_geometry.tooling.cli import plan\n"
         "def build_parser():\n    pass\n"
         "def main():\n    pass\n",
     )
-    write_module(root, "vllm_dcp_geometry/cli/common/__init__.py", "")
+    write_module(root, "vllm_dcp_geometry/tooling/cli/common/__init__.py", "")
     write_module(
         root,
-        "vllm_dcp_geometry/cli/common/violations.py",
+        "vllm_dcp_geometry/tooling/cli/common/violations.py",
         "class Violations:\n    pass\n",
     )
     write_module(
         root,
-        "vllm_dcp_geometry/cli/plan/__init__.py",
-        "from vllm_dcp_geometry.cli.plan.output import fmt\n"
+        "vllm_dcp_geometry/tooling/cli/plan/__init__.py",
+        "from vllm_dcp_geometry.tooling.cli.plan.output import fmt\n"
         "HELP = 'plan'\n"
         "def add_arguments(parser):\n    pass\n"
         "def command(args):\n    return fmt()\n",
     )
     write_module(
         root,
-        "vllm_dcp_geometry/cli/plan/output.py",
-        "from vllm_dcp_geometry.cli.common import violations\ndef fmt():\n    pass\n",
+        "vllm_dcp_geometry/tooling/cli/plan/output.py",
+        "from vllm_dcp_geometry.tooling.cli.common import violations\ndef fmt():\n    pass\n",
     )
 
 
@@ -214,38 +214,40 @@ def test_the_rules_fail_on_a_broken_tree(tmp_path: Path) -> None:
     # its parent package.
     write_module(
         tmp_path,
-        "vllm_dcp_geometry/cli/plan/output.py",
+        "vllm_dcp_geometry/tooling/cli/plan/output.py",
         "def fmt():\n"
-        "    from vllm_dcp_geometry.cli.plan import command\n"
-        "    from vllm_dcp_geometry import cli\n",
+        "    from vllm_dcp_geometry.tooling.cli.plan import command\n"
+        "    from vllm_dcp_geometry.tooling import cli\n",
     )
     graph = import_graph(tmp_path)
     assert [
-        "vllm_dcp_geometry.cli.plan",
-        "vllm_dcp_geometry.cli.plan.output",
-        "vllm_dcp_geometry.cli.plan",
+        "vllm_dcp_geometry.tooling.cli.plan",
+        "vllm_dcp_geometry.tooling.cli.plan.output",
+        "vllm_dcp_geometry.tooling.cli.plan",
     ] in import_circles(graph)
-    assert ("vllm_dcp_geometry.cli.plan.output", CLI) in parent_imports(graph)
+    assert ("vllm_dcp_geometry.tooling.cli.plan.output", CLI) in parent_imports(graph)
 
     # A command in cli/__init__.py, a flat command module, a package without
     # its command, a second Violations, and library code importing the CLI.
     _good_tree(tmp_path)
     write_module(
         tmp_path,
-        "vllm_dcp_geometry/cli/__init__.py",
+        "vllm_dcp_geometry/tooling/cli/__init__.py",
         "def main():\n    pass\ndef cmd_replay(args):\n    pass\n",
     )
-    write_module(tmp_path, "vllm_dcp_geometry/cli/replay.py", "")
-    write_module(tmp_path, "vllm_dcp_geometry/cli/simulate/__init__.py", "HELP = 's'\n")
+    write_module(tmp_path, "vllm_dcp_geometry/tooling/cli/replay.py", "")
+    write_module(
+        tmp_path, "vllm_dcp_geometry/tooling/cli/simulate/__init__.py", "HELP = 's'\n"
+    )
     write_module(
         tmp_path,
-        "vllm_dcp_geometry/cli/simulate/views.py",
+        "vllm_dcp_geometry/tooling/cli/simulate/views.py",
         "class Violations:\n    pass\n",
     )
     write_module(
         tmp_path,
-        "vllm_dcp_geometry/vllm_objects.py",
-        "from vllm_dcp_geometry.cli.common import violations\n",
+        "vllm_dcp_geometry/tooling/vllm_objects.py",
+        "from vllm_dcp_geometry.tooling.cli.common import violations\n",
     )
     problems = layout_problems(tmp_path)
     assert any("defines ['cmd_replay']" in p for p in problems)
@@ -254,4 +256,6 @@ def test_the_rules_fail_on_a_broken_tree(tmp_path: Path) -> None:
         "simulate/__init__.py lacks ['add_arguments', 'command']" in p for p in problems
     )
     assert any("2 Violations classes" in p for p in problems)
-    assert any("vllm_dcp_geometry.vllm_objects imports the CLI" in p for p in problems)
+    assert any(
+        "vllm_dcp_geometry.tooling.vllm_objects imports the CLI" in p for p in problems
+    )

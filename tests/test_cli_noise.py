@@ -19,7 +19,7 @@ import warnings
 import pytest
 
 from tests.support.processes import REPO_ROOT
-from vllm_dcp_geometry.cli.common.noise import (
+from vllm_dcp_geometry.tooling.cli.common.noise import (
     THIRD_PARTY_NOTE,
     third_party_noise_hidden,
 )

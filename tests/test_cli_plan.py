@@ -14,12 +14,12 @@ import pytest
 from vllm.v1.worker.block_table import get_block_table_width
 
 from tests.support.processes import run_python
-from vllm_dcp_geometry.cli import EXIT_OK, main
 from vllm_dcp_geometry.contract import (
     attention_block_table_width,
     recurrent_align_block_table_width,
 )
-from vllm_dcp_geometry.topology import load_profile
+from vllm_dcp_geometry.tooling.cli import EXIT_OK, main
+from vllm_dcp_geometry.tooling.topology import load_profile
 
 pytestmark = pytest.mark.patches("common.kv_cache_interface")
 
@@ -96,8 +96,8 @@ def test_upstream_column_matches_a_fresh_unpatched_vllm(capsys, tmp_path: Path):
     unpatched = run_python(
         f"""
         import json
-        from vllm_dcp_geometry import vllm_objects as _vllm
-        from vllm_dcp_geometry.topology import load_profile
+        from vllm_dcp_geometry.tooling import vllm_objects as _vllm
+        from vllm_dcp_geometry.tooling.topology import load_profile
         assert not _vllm.is_vllm_patched()
         out = {{}}
         for name in {names!r}:

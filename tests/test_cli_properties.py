@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.support.sweeps import divisors
-from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
+from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
 
 PREFIX = "vllm-dcp-geometry: error: "
 

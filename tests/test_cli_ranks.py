@@ -26,10 +26,13 @@ from typing import Any
 
 import pytest
 
-from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
-from vllm_dcp_geometry.cli.ranks.cases import Shape
-from vllm_dcp_geometry.collectives import collective_bytes, mla_decode_step_bytes
 from vllm_dcp_geometry.contract import reference_slot_mapping
+from vllm_dcp_geometry.contract.collectives import (
+    collective_bytes,
+    mla_decode_step_bytes,
+)
+from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
+from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 
 pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",
@@ -181,8 +184,8 @@ def test_partial_group_traffic_within_its_replica_versus_the_dcp_group(
 def test_four_ranks_unpatched_wrong_for_every_k_below_d() -> None:
     """The unpatched run alone (``ranks --baseline`` runs it after the
     patched one): every group with K < D wrong, K = D right."""
-    from vllm_dcp_geometry.cli.ranks.run import run_ranks
-    from vllm_dcp_geometry.topology import load_profile
+    from vllm_dcp_geometry.tooling.cli.ranks.run import run_ranks
+    from vllm_dcp_geometry.tooling.topology import load_profile
 
     report = run_ranks(load_profile(PROFILE), patched=False, progress=False)
     assert report["ok"] is False and report["mode"] == "unpatched"
@@ -250,8 +253,8 @@ def test_the_kv_write_stand_in_writes_the_contracts_slots(
     import torch
     import vllm._custom_ops as ops
 
-    from vllm_dcp_geometry import mla_rank_run
-    from vllm_dcp_geometry.cli.ranks import worker
+    from vllm_dcp_geometry.tooling import mla_rank_run
+    from vllm_dcp_geometry.tooling.cli.ranks import worker
 
     monkeypatch.setattr(ops, "concat_and_cache_mla", mla_rank_run.concat_and_cache_mla)
     shape = Shape(kv_lora_rank=5, rope_dim=3)

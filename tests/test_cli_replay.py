@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
 from vllm_dcp_geometry.contract import (
     attention_block_table_width,
     cdiv,
     recurrent_align_block_table_width,
 )
-from vllm_dcp_geometry.topology import load_profile
+from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
+from vllm_dcp_geometry.tooling.topology import load_profile
 
 pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",

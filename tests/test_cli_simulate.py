@@ -26,9 +26,9 @@ from tests.support.simulate import (
     hybrid,
     hybrid_mapping,
 )
-from vllm_dcp_geometry.cli import main
-from vllm_dcp_geometry.cli.simulate.checks import KINDS
-from vllm_dcp_geometry.cli.simulate.run import run_simulation
+from vllm_dcp_geometry.tooling.cli import main
+from vllm_dcp_geometry.tooling.cli.simulate.checks import KINDS
+from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
 
 pytestmark = pytest.mark.patches(
     "worker.block_table",
@@ -192,7 +192,7 @@ def test_dcp1_patched_and_unpatched_runs_are_identical(capsys, tmp_path, runner)
 
 
 def test_unpatched_run_exits_1(tmp_path):
-    from vllm_dcp_geometry._fresh_process import run_fresh_python
+    from vllm_dcp_geometry.tooling.fresh_process import run_fresh_python
 
     topology = tmp_path / "hybrid.json"
     topology.write_text(json.dumps(hybrid_mapping(2)))

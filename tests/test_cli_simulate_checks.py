@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from tests.support.simulate import SimulationOptions, group_index, hybrid
-from vllm_dcp_geometry.cli.simulate.checks import Checker
-from vllm_dcp_geometry.cli.simulate.run import run_simulation
-from vllm_dcp_geometry.cli.simulate.workers import V1Workers
+from vllm_dcp_geometry.tooling.cli.simulate.checks import Checker
+from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
+from vllm_dcp_geometry.tooling.cli.simulate.workers import V1Workers
 
 LIGHT = {"requests": 12, "step_tokens": 1024}
 

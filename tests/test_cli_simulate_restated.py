@@ -31,8 +31,8 @@ import pytest
 
 from tests.support import worker
 from tests.support.simulate import SimulationOptions, hybrid
-from vllm_dcp_geometry.cli.simulate.checks import KINDS
-from vllm_dcp_geometry.cli.simulate.run import run_simulation
+from vllm_dcp_geometry.tooling.cli.simulate.checks import KINDS
+from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
 
 pytestmark = pytest.mark.patches(
     "worker.block_table", "worker.gpu_model_runner", "worker.gpu_block_table"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.simulate import attention_group
-from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.contract import TokenLayout
-from vllm_dcp_geometry.topology import (
+from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vllm_dcp_geometry.tooling.topology import (
     DEFAULT_PROFILE,
     TopologyError,
     load_profile,

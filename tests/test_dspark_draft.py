@@ -13,7 +13,7 @@ import pytest
 
 from tests.support import worker as h
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.group_context import use_group_geometry
+from vllm_dcp_geometry.runtime.group_context import use_group_geometry
 
 pytestmark = pytest.mark.patches("worker.dflash_speculator", "worker.mla_attention")
 
@@ -71,8 +71,8 @@ def test_the_dspark_dcp_backend_check_reads_the_group() -> None:
         MLACommonMetadataBuilder,
     )
 
-    from vllm_dcp_geometry._patching import original_of
     from vllm_dcp_geometry.patches.worker.mla_attention import _make_validate_dspark
+    from vllm_dcp_geometry.runtime.patching import original_of
 
     method = MLACommonMetadataBuilder._validate_dspark_dcp_support
     assert original_of(method) is not method

@@ -8,7 +8,7 @@ Runner V2 drops a replicated sliding window's null masking at D > 1), the
 patched path runs.
 
 Each case runs the patched function and its original
-(``_patching.original_of``) on strict doubles: config and runner objects
+(``patching.original_of``) on strict doubles: config and runner objects
 wrapped so that every attribute read and write is recorded as a dotted path
 and a missing attribute raises ``AttributeError``, as in vLLM's own unit
 tests. Specs and KV-cache configs are real vLLM objects. About 5 s in all.
@@ -27,7 +27,7 @@ import torch
 from vllm.v1 import kv_cache_interface as k
 
 from tests.support.vllm_configs import make_vllm_config
-from vllm_dcp_geometry._patching import ORIGINAL_ATTR, original_of
+from vllm_dcp_geometry.runtime.patching import ORIGINAL_ATTR, original_of
 
 pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",

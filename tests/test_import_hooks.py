@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from tests.support.processes import run_python
-from vllm_dcp_geometry import _import_hooks, _patching
-from vllm_dcp_geometry._patching import UpstreamChangedError
+from vllm_dcp_geometry.runtime import import_hooks, patching
+from vllm_dcp_geometry.runtime.patching import UpstreamChangedError
 
 pytestmark = pytest.mark.patches("common.kv_cache_interface")
 
@@ -95,10 +95,10 @@ def test_a_failed_patch_stays_failed_and_its_changes_are_undone(new_module) -> N
 
     def drifted_patch(module: Any) -> None:
         seen.append(module)
-        _patching.wrap(module, "answer", lambda original: lambda: 2)
+        patching.wrap(module, "answer", lambda original: lambda: 2)
         raise UpstreamChangedError("answer() changed upstream")
 
-    _import_hooks.when_imported(name, drifted_patch)
+    import_hooks.when_imported(name, drifted_patch)
     with pytest.raises(UpstreamChangedError, match="changed upstream"):
         importlib.import_module(name)
     (module,) = seen
@@ -109,7 +109,7 @@ def test_a_failed_patch_stays_failed_and_its_changes_are_undone(new_module) -> N
         with pytest.raises(UpstreamChangedError, match="stays refused"):
             importlib.import_module(name)
     with pytest.raises(UpstreamChangedError, match="stays refused"):
-        _import_hooks.when_imported(name, drifted_patch)
+        import_hooks.when_imported(name, drifted_patch)
     assert len(seen) == 1
 
 
@@ -120,7 +120,7 @@ def test_a_hook_waits_for_another_threads_import_to_finish(new_module, control) 
     seen: list[bool] = []
     threading.Timer(0.2, control.go.set).start()
     # The module is in sys.modules but half executed: the hook must wait.
-    _import_hooks.when_imported(name, lambda m: seen.append(hasattr(m, "LATE")))
+    import_hooks.when_imported(name, lambda m: seen.append(hasattr(m, "LATE")))
     thread.join(WAIT_S)
     assert seen == [True]
     assert outcome and not isinstance(outcome[0], BaseException)
@@ -151,7 +151,7 @@ def test_an_import_already_past_its_finders_is_still_hooked(new_module) -> None:
         assert entered.wait(WAIT_S)
         seen: list[Any] = []
         threading.Timer(0.2, go.set).start()
-        _import_hooks.when_imported(name, seen.append)
+        import_hooks.when_imported(name, seen.append)
         thread.join(WAIT_S)
     finally:
         go.set()
@@ -164,11 +164,11 @@ def test_a_hook_on_a_module_this_thread_is_importing_is_refused(
 ) -> None:
     name = new_module(
         "import sys\n"
-        "from vllm_dcp_geometry import _import_hooks\n"
+        "from vllm_dcp_geometry.runtime import import_hooks\n"
         "calls = sys.modules['hook_test_control'].state.calls\n"
         "if not calls:\n"
         "    calls.append('first import')\n"
-        "    _import_hooks.when_imported(__name__, calls.append)\n"
+        "    import_hooks.when_imported(__name__, calls.append)\n"
     )
     with pytest.raises(RuntimeError, match="still being imported by the same thread"):
         importlib.import_module(name)
@@ -183,7 +183,7 @@ def test_a_hook_on_a_module_this_thread_is_importing_is_refused(
 REGISTER_SCRIPT = """
 import importlib, json
 import vllm_dcp_geometry.plugin as plugin
-from vllm_dcp_geometry._patching import ORIGINAL_ATTR, UpstreamSymbol
+from vllm_dcp_geometry.runtime.patching import ORIGINAL_ATTR, UpstreamSymbol
 utils_patch = importlib.import_module(
     "vllm_dcp_geometry.patches.engine_core.kv_cache_utils")
 

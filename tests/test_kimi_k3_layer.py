@@ -165,7 +165,7 @@ def test_kimi_k3_partial_group_on_the_dcp_group_matches_single_device() -> None:
 def test_kimi_k3_layer_without_its_binder_is_refused() -> None:
     """Without the Kimi-K3 patch's binder (the layer bound like vLLM's
     ``MLAAttention``, impl only), start-up refuses naming the patch."""
-    from vllm_dcp_geometry.layer_classes import LAYER_BINDERS, LayerBinding
+    from vllm_dcp_geometry.contract.layer_classes import LAYER_BINDERS, LayerBinding
 
     saved = LAYER_BINDERS.pop(LayerBinding.KIMI_K3_MLA)
     try:
@@ -179,8 +179,8 @@ def test_impl_only_binding_crashes_the_layer() -> None:
     """What the binder prevents: bound impl-only (the plugin before it knew
     the class), a replicated Kimi-K3 layer all-gathers D*H query heads and
     asserts on the missing LSE - the reported crash."""
-    from vllm_dcp_geometry.layer_classes import LAYER_BINDERS, LayerBinding
-    from vllm_dcp_geometry.mla_geometry import bind_mla_layer
+    from vllm_dcp_geometry.contract.layer_classes import LAYER_BINDERS, LayerBinding
+    from vllm_dcp_geometry.runtime.mla_geometry import bind_mla_layer
 
     saved = LAYER_BINDERS[LayerBinding.KIMI_K3_MLA]
     LAYER_BINDERS[LayerBinding.KIMI_K3_MLA] = ("impl-only", bind_mla_layer)
@@ -220,7 +220,7 @@ def test_the_specialized_decode_switch_is_vllms() -> None:
 
     from vllm.models.kimi_k3.nvidia.specialized_decode import runtime
 
-    from vllm_dcp_geometry.worker_admission import SPECIALIZED_DECODE_BACKEND
+    from vllm_dcp_geometry.runtime.worker_admission import SPECIALIZED_DECODE_BACKEND
 
     source = inspect.getsource(runtime)
     assert 'extra.get("decode_backend"' in source

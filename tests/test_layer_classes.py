@@ -27,14 +27,19 @@ from tests.support.attention import (
     set_dcp_group,
     tiny_model_config,
 )
-from vllm_dcp_geometry.attention_admission import AttentionMode, admit_attention
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
-from vllm_dcp_geometry.layer_classes import (
-    AUDITED_CLASSES,
+from vllm_dcp_geometry.contract.attention_admission import (
+    AttentionMode,
+    admit_attention,
+)
+from vllm_dcp_geometry.contract.layer_classes import (
     FLINT_ATTENTION,
     LAYER_CLASS_ATTR,
     TAUGHT_LAYERS,
+)
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.tooling.docs.layer_class_audit import (
+    AUDITED_CLASSES,
     Disposition,
 )
 
@@ -137,7 +142,7 @@ def test_audited_dispositions_say_what_happens() -> None:
 
 
 def _admit(layer_class: str | None, k: int, *, mla: bool, backend: str, **kw: Any):
-    from vllm_dcp_geometry.attention_admission import AttentionKind
+    from vllm_dcp_geometry.contract.attention_admission import AttentionKind
 
     return admit_attention(
         owner="g",
@@ -198,8 +203,8 @@ def test_flint_patch_names_its_wrapper_under_dcp(
     layer it registers, under DCP only (D = 1 is upstream's constructor)."""
     from vllm.models.flint import model as flint
 
-    from vllm_dcp_geometry._patching import original_of
     from vllm_dcp_geometry.patches.worker.flint_model import _make_init
+    from vllm_dcp_geometry.runtime.patching import original_of
 
     assert (
         original_of(flint.FlintAttention.__init__) is not flint.FlintAttention.__init__
@@ -218,7 +223,7 @@ def test_flint_patch_names_its_wrapper_under_dcp(
 
 
 def test_dots3_sliding_window_builder_runs_k1_only() -> None:
-    from vllm_dcp_geometry.worker_admission import backend_label
+    from vllm_dcp_geometry.runtime.worker_admission import backend_label
 
     path = "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder"
     module, _, name = path.rpartition(".")
@@ -296,7 +301,7 @@ def test_glm5next_tail_cache_stays_on_upstreams_path(
     from vllm.v1.kv_cache_interface import CircularBufferSpec
     from vllm.v1.worker.utils import AttentionGroup
 
-    from vllm_dcp_geometry._patching import original_of
+    from vllm_dcp_geometry.runtime.patching import original_of
 
     vllm_config = tiny_model_config(4, 1)
     set_dcp_group(monkeypatch, 4, 2)
@@ -331,7 +336,7 @@ def test_sharded_override_on_a_dcp1_draft_impl_is_refused(
     naming layer, class, backend, K and D; an impl built for D passes."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
-    from vllm_dcp_geometry.overrides import apply_to_kv_cache_specs
+    from vllm_dcp_geometry.runtime.spec_overrides import apply_to_kv_cache_specs
 
     vllm_config = tiny_model_config(4, 1)
     vllm_config.additional_config = {"dcp_geometry": {"layers": {LAYER: "sharded"}}}

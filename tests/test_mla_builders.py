@@ -23,9 +23,9 @@ from tests.support.mla import (
 )
 from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import cdiv, local_seq_len
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
-from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
-from vllm_dcp_geometry.mla_geometry import ShardWorldForwardMqa
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
+from vllm_dcp_geometry.runtime.mla_geometry import ShardWorldForwardMqa
 
 pytestmark = pytest.mark.patches(
     "worker.mla_attention", "worker.mla_dcp_manager", "worker.utils"

@@ -32,7 +32,7 @@ from tests.support.mla import (
     replaced,
 )
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry, local_seq_len
-from vllm_dcp_geometry.mla_geometry import check_context_workspace
+from vllm_dcp_geometry.runtime.mla_geometry import check_context_workspace
 
 pytestmark = pytest.mark.patches(
     "worker.mla_attention", "worker.mla_dcp_manager", "worker.utils"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.overrides import (
+from vllm_dcp_geometry.contract.overrides import (
     LayerKind,
     LayerOverride,
     SpecGeometry,

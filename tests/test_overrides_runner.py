@@ -234,7 +234,7 @@ def test_pipeline_stage_skips_unmatched_check(run, make_config) -> None:
 def test_engine_core_checks_every_worker(make_config) -> None:
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
 
-    from vllm_dcp_geometry.overrides import check_applied
+    from vllm_dcp_geometry.runtime.spec_overrides import check_applied
 
     config = make_config(OPERATOR_LAYERS)
     applied = run_v1(config)

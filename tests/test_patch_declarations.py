@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from vllm_dcp_geometry import _patching
 from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.runtime import patching
 
 pytestmark = pytest.mark.patches(
     "worker.gpu_model_runner", "worker.gpu_model_runner_v2"
@@ -41,7 +41,7 @@ def _relative(owner: str, name: str, module: str) -> str | None:
 
 
 def declaration_mismatches(
-    patch: Any, changes: tuple[_patching.Change, ...]
+    patch: Any, changes: tuple[patching.Change, ...]
 ) -> list[str]:
     """How ``patch``'s declaration differs from the ``changes`` it made."""
     module = patch.UPSTREAM_MODULE
@@ -75,7 +75,7 @@ def test_a_patch_replaces_exactly_what_it_declares(name: str) -> None:
     patch = importlib.import_module(name)
     importlib.import_module(patch.UPSTREAM_MODULE)  # applies the patch
     assert name in _applied(), name
-    assert declaration_mismatches(patch, _patching.changes_made_by(name)) == []
+    assert declaration_mismatches(patch, patching.changes_made_by(name)) == []
 
 
 def _applied() -> dict[str, str]:
@@ -99,7 +99,7 @@ def _wrappers_in(module: types.ModuleType) -> set[str]:
 
     def scan(namespace: dict[str, Any], prefix: str) -> None:
         for attr, value in list(namespace.items()):
-            if hasattr(_patching._callable_of(value), _patching.ORIGINAL_ATTR):
+            if hasattr(patching._callable_of(value), patching.ORIGINAL_ATTR):
                 found.add(prefix + attr)
 
     scan(vars(module), "")
@@ -116,7 +116,7 @@ def test_every_wrapper_in_a_patched_module_is_in_a_ledger() -> None:
     applied (the same object as a wrapper a ledger accounts for)."""
     accounted: dict[str, set[str]] = {}
     for name in PATCH_MODULES:
-        for change in _patching.changes_made_by(name):
+        for change in patching.changes_made_by(name):
             accounted.setdefault(change.owner, set()).add(change.name)
     accounted_objects = {
         id(vars(module)[attr])
@@ -140,12 +140,12 @@ def test_the_check_catches_a_wrong_declaration() -> None:
     upstream.g = lambda: 2  # type: ignore[attr-defined]
 
     def apply(module: types.ModuleType) -> None:
-        _patching.wrap(module, "f", lambda original: lambda: original() + 1)
-        _patching.add_attribute(module, "h", lambda: 3)
+        patching.wrap(module, "f", lambda original: lambda: original() + 1)
+        patching.add_attribute(module, "h", lambda: 3)
 
-    with _patching.applying("fake_patch"):
+    with patching.applying("fake_patch"):
         apply(upstream)
-    symbol = _patching.UpstreamSymbol
+    symbol = patching.UpstreamSymbol
     wrong = types.SimpleNamespace(
         UPSTREAM_MODULE="fake_upstream",
         REPLACES=(symbol("fake_upstream", "g"),),
@@ -153,7 +153,7 @@ def test_the_check_catches_a_wrong_declaration() -> None:
         ADDS=(),
         PATCHED_SYMBOLS=(),
     )
-    assert declaration_mismatches(wrong, _patching.changes_made_by("fake_patch")) == [
+    assert declaration_mismatches(wrong, patching.changes_made_by("fake_patch")) == [
         "wrapped, not in REPLACES: f",
         "in REPLACES, not wrapped: g",
         "added, not in ADDS: h",
@@ -167,7 +167,7 @@ def test_the_check_catches_a_wrong_declaration() -> None:
         ADDS=("h",),
         PATCHED_SYMBOLS=(symbol("fake_upstream", "f"), symbol("fake_upstream", "g")),
     )
-    assert declaration_mismatches(right, _patching.changes_made_by("fake_patch")) == []
+    assert declaration_mismatches(right, patching.changes_made_by("fake_patch")) == []
     assert _wrappers_in(upstream) == {"f"}
 
 
@@ -178,9 +178,13 @@ def test_admission_refuses_a_taught_backend_whose_patch_is_missing(
     runtime's, which ``AttentionGroup`` calls first) refuses a replicated
     FLASH_ATTN group, naming the missing patch, instead of letting vLLM's
     D-wide builder read it."""
-    from vllm_dcp_geometry import plugin, worker_admission
-    from vllm_dcp_geometry.attention_admission import AttentionKind, AttentionMode
+    from vllm_dcp_geometry import plugin
     from vllm_dcp_geometry.contract import GroupGeometry
+    from vllm_dcp_geometry.contract.attention_admission import (
+        AttentionKind,
+        AttentionMode,
+    )
+    from vllm_dcp_geometry.runtime import worker_admission
 
     config = types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(prefill_context_parallel_size=1),
@@ -201,13 +205,13 @@ def test_admission_refuses_a_taught_backend_whose_patch_is_missing(
 
     applied = plugin.applied_patches()
     monkeypatch.setattr(
-        plugin,
+        patching,
         "applied_patches",
         lambda: {**applied, PREFIX + "worker.flash_attn": "x"},
     )
     assert admit().mode is AttentionMode.LOCAL
     without = {k: v for k, v in applied.items() if not k.endswith("worker.flash_attn")}
-    monkeypatch.setattr(plugin, "applied_patches", lambda: without)
+    monkeypatch.setattr(patching, "applied_patches", lambda: without)
     refused = admit()
     assert refused.refused
     assert "vllm_dcp_geometry.patches.worker.flash_attn, which is not applied" in (
@@ -230,7 +234,7 @@ def channel_problems(channels: Any) -> list[str]:
     """Each channel has both ends: its setter and getter exist in
     ``group_context``, every writer patch calls the setter, every reader
     the getter, and writers and readers are each other's partners."""
-    from vllm_dcp_geometry import group_context
+    from vllm_dcp_geometry.runtime import group_context
 
     problems = []
     for channel in channels:
@@ -273,14 +277,14 @@ def channel_problems(channels: Any) -> list[str]:
 
 
 def test_every_side_channel_has_both_ends() -> None:
-    from vllm_dcp_geometry.group_context import CHANNELS
+    from vllm_dcp_geometry.runtime.group_context import CHANNELS
 
     assert len(CHANNELS) == 5
     assert channel_problems(CHANNELS) == []
 
 
 def test_the_channel_check_catches_a_missing_end() -> None:
-    from vllm_dcp_geometry.group_context import CHANNELS, SideChannel
+    from vllm_dcp_geometry.runtime.group_context import CHANNELS, SideChannel
 
     v1 = CHANNELS[1]
     broken = (
@@ -404,7 +408,7 @@ def test_the_rest_applies_without_each_removal_group() -> None:
 
 
 def test_the_channel_check_catches_a_shared_writer_that_does_not_write() -> None:
-    from vllm_dcp_geometry.group_context import CHANNELS, SideChannel
+    from vllm_dcp_geometry.runtime.group_context import CHANNELS, SideChannel
 
     builders = CHANNELS[0]
     wrong_via = SideChannel(
@@ -434,7 +438,10 @@ def test_a_wrapper_relying_on_a_global_call_refuses_when_it_is_gone() -> None:
     longer does is refused loudly, not left calling the unwrapped one."""
     import functools
 
-    from vllm_dcp_geometry._patching import UpstreamChangedError, require_global_call
+    from vllm_dcp_geometry.runtime.patching import (
+        UpstreamChangedError,
+        require_global_call,
+    )
 
     module = types.ModuleType("fake_indexer")
     exec(

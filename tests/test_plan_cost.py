@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dcp_geometry.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from vllm_dcp_geometry.topology import (
+from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vllm_dcp_geometry.tooling.topology import (
     TopologyError,
     load_profile,
     load_topology_file,
@@ -48,7 +48,9 @@ def plan_groups(capsys: pytest.CaptureFixture, *args: str) -> dict[str, dict]:
 def profile_toml(name: str, tmp_path: Path, **edits: str) -> str:
     """The built-in profile's TOML text, each ``old=new`` line replaced, as a
     file under ``tmp_path``."""
-    text = resources.files("vllm_dcp_geometry").joinpath(f"profiles/{name}.toml")
+    text = resources.files("vllm_dcp_geometry.tooling").joinpath(
+        f"profiles/{name}.toml"
+    )
     source = text.read_text(encoding="utf-8")
     for old, new in edits.items():
         assert old in source, old

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import REPO_ROOT, run_python
-from vllm_dcp_geometry import _patching, plugin
-from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol
+from vllm_dcp_geometry import plugin
 from vllm_dcp_geometry._version import pinned_vllm_version
-from vllm_dcp_geometry.patches import PATCH_MODULES, patch_table_markdown
+from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.runtime import patching
+from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, UpstreamSymbol
+from vllm_dcp_geometry.tooling.docs.patch_table import patch_table_markdown
 
 pytestmark = pytest.mark.patches("common.kv_cache_interface")
 
@@ -163,8 +165,8 @@ def test_register_is_idempotent() -> None:
     assert set(import_every_patched_module()) == set(PATCH_MODULES)
     after = k.AttentionSpec.__dict__["max_num_blocks_per_req"]
     assert before is after
-    original = _patching.original_of(after)
-    assert not hasattr(original, _patching.ORIGINAL_ATTR)
+    original = patching.original_of(after)
+    assert not hasattr(original, patching.ORIGINAL_ATTR)
     assert original.__module__ == "vllm.v1.kv_cache_interface"
 
 
@@ -198,7 +200,7 @@ def patch_modules() -> list:
 
 def test_readme_patch_table_is_current() -> None:
     """README.md carries the generated table; regenerate it with
-    ``python -m vllm_dcp_geometry.patches``."""
+    ``python -m vllm_dcp_geometry.tooling.docs``."""
     readme = (Path(REPO_ROOT) / "README.md").read_text()
     start, end = "<!-- patch-table:start -->\n", "\n<!-- patch-table:end -->"
     assert start in readme and end in readme
@@ -236,8 +238,9 @@ def test_every_patched_symbol_matches_unpatched_vllm() -> None:
     result = run_python(
         """
 import importlib, json
-from vllm_dcp_geometry._patching import verify_symbol
-from vllm_dcp_geometry.patches import PATCH_MODULES, patch_table_markdown
+from vllm_dcp_geometry.runtime.patching import verify_symbol
+from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.tooling.docs.patch_table import patch_table_markdown
 problems, checked = [], 0
 for name in PATCH_MODULES:
     patch = importlib.import_module(name)
@@ -258,14 +261,14 @@ print(json.dumps({"checked": checked, "problems": problems}))
 def test_moved_or_changed_symbols_raise() -> None:
     module = "vllm.v1.kv_cache_interface"
     with pytest.raises(UpstreamChangedError, match="no longer exists"):
-        _patching.verify_symbol(UpstreamSymbol(module, "AttentionSpec.gone"))
+        patching.verify_symbol(UpstreamSymbol(module, "AttentionSpec.gone"))
     with pytest.raises(UpstreamChangedError, match="parameters changed"):
-        _patching.verify_symbol(
+        patching.verify_symbol(
             UpstreamSymbol(module, "AttentionSpec.max_num_blocks_per_req", "self")
         )
     # Inherited attributes do not count: a patch must land where it is defined.
     with pytest.raises(UpstreamChangedError):
-        _patching.verify_symbol(UpstreamSymbol(module, "MLAAttentionSpec.max_len"))
+        patching.verify_symbol(UpstreamSymbol(module, "MLAAttentionSpec.max_len"))
 
 
 def test_a_changed_symbol_stops_registration() -> None:
@@ -273,7 +276,7 @@ def test_a_changed_symbol_stops_registration() -> None:
         """
 import json
 import vllm_dcp_geometry.plugin as plugin
-from vllm_dcp_geometry._patching import UpstreamSymbol
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol
 from vllm_dcp_geometry.patches.common import kv_cache_interface as patch
 patch.PATCHED_SYMBOLS = patch.PATCHED_SYMBOLS + (
     UpstreamSymbol(patch.UPSTREAM_MODULE, "AttentionSpec.renamed_upstream"),)
@@ -301,9 +304,9 @@ def test_a_second_patch_on_one_symbol_is_refused() -> None:
     def make_second(original):  # type: ignore[no-untyped-def]
         return lambda self: original(self) * 10
 
-    _patching.wrap(Owner, "method", make_first)
-    _patching.wrap(Owner, "method", make_first)  # idempotent
+    patching.wrap(Owner, "method", make_first)
+    patching.wrap(Owner, "method", make_first)  # idempotent
     assert Owner().method() == 2
     with pytest.raises(UpstreamChangedError, match="already wrapped by"):
-        _patching.wrap(Owner, "method", make_second)
+        patching.wrap(Owner, "method", make_second)
     assert Owner().method() == 2

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from vllm_dcp_geometry.collectives import (
+from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.contract.collectives import (
     attention_work_ratio,
     check_replica_grouping,
     collective_world_size,
     replica_rank_lists,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError
 
 pytestmark = pytest.mark.patches(
     "worker.gpu_worker", "worker.mla_attention", "worker.mla_dcp_manager"
@@ -106,7 +106,7 @@ def test_start_up_makes_a_replica_group_per_partial_k(
     """From the configuration alone (so every worker asks the same): each
     partial K the overrides name, ascending; K = 1, K = D and strings are
     not partial."""
-    from vllm_dcp_geometry import replica_groups as startup
+    from vllm_dcp_geometry.runtime import replica_groups as startup
 
     made: list[tuple[int, ...]] = []
     monkeypatch.setattr(startup, "create_replica_groups", made.append)
@@ -126,7 +126,7 @@ def test_start_up_hands_back_without_a_partial_override(
 ) -> None:
     """D = 1 reads nothing but D (a malformed section is not even parsed);
     no partial override makes nothing."""
-    from vllm_dcp_geometry import replica_groups as startup
+    from vllm_dcp_geometry.runtime import replica_groups as startup
 
     def refuse(counts: Any) -> None:
         raise AssertionError(counts)
@@ -205,8 +205,8 @@ def test_the_worker_makes_them_once_its_distributed_state_exists(
     the groups right after upstream's method has made vLLM's groups."""
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_dcp_geometry._patching import FACTORY_ATTR
     from vllm_dcp_geometry.patches.worker import gpu_worker
+    from vllm_dcp_geometry.runtime.patching import FACTORY_ATTR
 
     assert getattr(Worker.init_device, FACTORY_ATTR).startswith(
         "vllm_dcp_geometry.patches.worker.gpu_worker."
@@ -249,7 +249,10 @@ def test_a_replica_manager_that_ignores_the_replica_is_refused(
     longer asks ``get_dcp_group``, is refused."""
     from vllm.v1.attention.ops import dcp
 
-    from vllm_dcp_geometry.mla_geometry import MANAGER_ARGS_ATTR, replica_manager
+    from vllm_dcp_geometry.runtime.mla_geometry import (
+        MANAGER_ARGS_ATTR,
+        replica_manager,
+    )
 
     replica = object()
     blank = dcp.MLADCPManager.__new__(dcp.MLADCPManager)
@@ -269,10 +272,10 @@ def test_a_replica_manager_that_ignores_the_replica_is_refused(
 def test_a_builder_that_ignores_the_replica_is_refused() -> None:
     """The MLA builder patch's finishing step: a builder that took D (not
     the replica's K) or another manager is refused."""
-    from vllm_dcp_geometry.group_context import use_replica_group
     from vllm_dcp_geometry.patches.worker.mla_attention import (
         _finish_partial_builder,
     )
+    from vllm_dcp_geometry.runtime.group_context import use_replica_group
 
     replica = object()
     manager = type("Manager", (), {"group": replica})()
@@ -291,8 +294,8 @@ def test_a_builder_that_ignores_the_replica_is_refused() -> None:
 def test_a_d_wide_context_plan_within_a_replica_is_refused() -> None:
     """Within its replica the chunk planner must see the replica's (K, I,
     I*K); the builder's D-wide arguments are refused, not rewritten."""
-    from vllm_dcp_geometry.group_context import use_replica_group
-    from vllm_dcp_geometry.mla_geometry import group_context_chunk_kwargs
+    from vllm_dcp_geometry.runtime.group_context import use_replica_group
+    from vllm_dcp_geometry.runtime.mla_geometry import group_context_chunk_kwargs
 
     kwargs = {
         "dcp_world_size": 4,

@@ -16,7 +16,7 @@ import torch
 from tests.support import scheduler as topo
 from tests.support.processes import run_python
 from vllm_dcp_geometry import DcpGeometryError, contract
-from vllm_dcp_geometry._patching import original_of
+from vllm_dcp_geometry.runtime.patching import original_of
 
 pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",

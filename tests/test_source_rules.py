@@ -5,6 +5,7 @@ deliberately wrong file."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def test_the_repository_passes(check: str) -> None:
         "from vllm_dcp_geometry.patches.worker.block_table import apply\n",
         "from vllm_dcp_geometry.patches.worker import block_table\n",
         "import vllm_dcp_geometry.patches.common.kv_cache_interface as k\n",
-        "def f():\n    from ..patches.engine_core import kv_cache_utils\n",
+        "def f():\n    from ...patches.engine_core import kv_cache_utils\n",
         "import importlib\n"
         "importlib.import_module('vllm_dcp_geometry.patches.worker.utils')\n",
     ],
@@ -69,7 +70,7 @@ def test_a_patch_module_import_outside_the_registry_fails(
 ) -> None:
     check = _check_sources()
     monkeypatch.chdir(tmp_path)
-    where = Path("vllm_dcp_geometry/cli/offender.py")
+    where = Path("vllm_dcp_geometry/tooling/cli/offender.py")
     where.parent.mkdir(parents=True)
     where.write_text(HEADER + source)
     problems = check.import_problems(where)
@@ -101,3 +102,96 @@ def test_the_package_and_cpu_switch_rules_fail(tmp_path: Path, monkeypatch) -> N
     unlicensed = Path("vllm_dcp_geometry/unlicensed.py")
     unlicensed.write_text("x = 1\n")
     assert check.spdx_problems(unlicensed)
+
+
+@pytest.mark.parametrize(
+    ("where", "source", "expected"),
+    [
+        # What a server loads never imports the tooling.
+        (
+            "vllm_dcp_geometry/runtime/offender.py",
+            "def f():\n    from vllm_dcp_geometry.tooling.cli import main\n",
+            "runtime imports vllm_dcp_geometry.tooling.cli (tooling)",
+        ),
+        (
+            "vllm_dcp_geometry/patches/worker/offender.py",
+            "from vllm_dcp_geometry.tooling import vllm_objects\n",
+            "patches imports vllm_dcp_geometry.tooling (tooling)",
+        ),
+        (
+            "vllm_dcp_geometry/plugin.py",
+            "def f():\n    import vllm_dcp_geometry.tooling.topology\n",
+            "plugin imports vllm_dcp_geometry.tooling.topology (tooling)",
+        ),
+        # Patch modules import only the contract and the runtime.
+        (
+            "vllm_dcp_geometry/patches/worker/offender.py",
+            "from vllm_dcp_geometry import plugin\n",
+            "patches imports vllm_dcp_geometry.plugin (plugin)",
+        ),
+        # No import runs back up a floor.
+        (
+            "vllm_dcp_geometry/runtime/offender.py",
+            "def f():\n    from vllm_dcp_geometry import plugin\n",
+            "runtime imports vllm_dcp_geometry.plugin (plugin)",
+        ),
+        (
+            "vllm_dcp_geometry/contract/offender.py",
+            "from vllm_dcp_geometry.runtime.geometry import shard_count\n",
+            "contract imports vllm_dcp_geometry.runtime.geometry (runtime)",
+        ),
+        (
+            "vllm_dcp_geometry/contract/offender.py",
+            "from .. import runtime\n",
+            "contract imports vllm_dcp_geometry.runtime (runtime)",
+        ),
+        # The contract is pure: no vLLM even inside a function.
+        (
+            "vllm_dcp_geometry/contract/offender.py",
+            "def f():\n    from vllm.v1.kv_cache_interface import MambaSpec\n",
+            "the contract imports vllm.v1.kv_cache_interface",
+        ),
+    ],
+)
+def test_an_import_that_climbs_a_floor_fails(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+    source: str,
+    expected: str,
+) -> None:
+    check = _check_sources()
+    monkeypatch.chdir(tmp_path)
+    for part in ("contract", "runtime", "patches/worker", "tooling/cli"):
+        (tmp_path / "vllm_dcp_geometry" / part).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "vllm_dcp_geometry" / "plugin.py").write_text(HEADER)
+    path = Path(where)
+    path.write_text(HEADER + source)
+    problems = check.import_problems(path)
+    assert any(expected in p for p in problems), problems
+    # The tooling, beside vLLM, may import every part.
+    beside = Path("vllm_dcp_geometry/tooling/cli/fine.py")
+    beside.write_text(
+        HEADER + source.replace("from .. import", "import vllm_dcp_geometry.")
+    )
+    assert not [
+        p
+        for p in check.import_problems(beside)
+        if "imports" in p and "module-level" not in p
+    ]
+
+
+def test_the_floors_hold_for_the_package_as_it_is() -> None:
+    check = _check_sources()
+    found = []
+    for name in tracked_python_files():
+        path = Path(name)
+        if path.parts[0] == "vllm_dcp_geometry":
+            tree = ast.parse((REPO / path).read_text(encoding="utf-8"))
+            found += check.floor_problems(path, tree)
+    assert found == []
+    # Every part of the package has a floor, or is the tooling beside vLLM.
+    package = REPO / "vllm_dcp_geometry"
+    parts = {p.stem for p in package.glob("*.py")}
+    parts |= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert parts - set(check.MAY_IMPORT) == {"tooling", "__main__"}

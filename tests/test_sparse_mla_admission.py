@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from vllm_dcp_geometry.attention_admission import (
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.contract.attention_admission import (
     AttentionKind,
     AttentionMode,
     admit_attention,
 )
-from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.layer_classes import (
+from vllm_dcp_geometry.contract.layer_classes import (
     DEEPSEEK_V32_ATTENTION,
     DEEPSEEK_V32_INDEXER_CACHE,
     LAYER_CLASS_ATTR,
@@ -127,7 +127,7 @@ def _context(latent_class: str | None) -> dict[str, Any]:
 
 
 def _bind(context: dict[str, Any], k: int) -> None:
-    from vllm_dcp_geometry.layer_binding import bind_group_layers
+    from vllm_dcp_geometry.runtime.layer_binding import bind_group_layers
 
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(static_forward_context=context)
@@ -140,7 +140,7 @@ def _bind(context: dict[str, Any], k: int) -> None:
 def test_an_indexer_cache_is_bound_only_under_its_deepseek_layer(k: int) -> None:
     import vllm.models.deepseek_v32.attention  # noqa: F401  (registers the binder)
 
-    from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
+    from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 
     context = _context(DEEPSEEK_V32_ATTENTION)
     _bind(context, k)
@@ -159,7 +159,7 @@ def test_an_indexer_cache_is_bound_only_under_its_deepseek_layer(k: int) -> None
 def test_an_indexer_cache_without_its_binder_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from vllm_dcp_geometry.layer_classes import LAYER_BINDERS, LayerBinding
+    from vllm_dcp_geometry.contract.layer_classes import LAYER_BINDERS, LayerBinding
 
     monkeypatch.delitem(LAYER_BINDERS, LayerBinding.SPARSE_INDEXER_CACHE, raising=False)
     with pytest.raises(DcpGeometryError, match="deepseek_v32_attention, which is not"):
@@ -236,7 +236,7 @@ def _index_group_specs() -> dict[str, Any]:
 
 
 def _apply_to(specs: dict[str, Any], layers: dict[str, Any]) -> dict[str, Any]:
-    from vllm_dcp_geometry.overrides import apply_to_kv_cache_specs
+    from vllm_dcp_geometry.runtime.spec_overrides import apply_to_kv_cache_specs
 
     config = SimpleNamespace(
         additional_config={"dcp_geometry": {"layers": layers}},
@@ -267,7 +267,7 @@ def test_the_layers_of_one_index_group_share_one_k() -> None:
 
 
 def test_index_groups_follow_layer_order() -> None:
-    from vllm_dcp_geometry.overrides import index_groups
+    from vllm_dcp_geometry.runtime.spec_overrides import index_groups
 
     leaders = {"m.layers.10.a": False, "m.layers.2.a": True, "m.layers.9.a": True}
     assert index_groups(leaders) == [
@@ -284,7 +284,9 @@ PROFILE = "deepseek-v32-tp8-dcp8"
 
 def _profile_source() -> str:
     root = Path(__file__).resolve().parent.parent
-    return (root / "vllm_dcp_geometry" / "profiles" / f"{PROFILE}.toml").read_text()
+    return (
+        root / "vllm_dcp_geometry" / "tooling" / "profiles" / f"{PROFILE}.toml"
+    ).read_text()
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:

@@ -43,11 +43,11 @@ from tests.support.sparse_mla import (
     latent_spec,
     rank_process,
 )
-from vllm_dcp_geometry._patching import original_of
 from vllm_dcp_geometry.contract import local_seq_len
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
-from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
-from vllm_dcp_geometry.mla_geometry import ShardWorldForwardMqa
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
+from vllm_dcp_geometry.runtime.mla_geometry import ShardWorldForwardMqa
+from vllm_dcp_geometry.runtime.patching import original_of
 
 pytestmark = pytest.mark.patches(
     "worker.mla_indexer",
@@ -320,8 +320,8 @@ def test_sparse_dense_mha_context_is_planned_over_the_group(k: int) -> None:
     """The dense-MHA prefill of a sparse layer reads its context through
     vLLM's MLA chunk planner: a partial group's chunks hold each shard's
     contract local lengths (K shards, not D), a K = D group's D shards."""
-    from vllm_dcp_geometry._patching import original_of
     from vllm_dcp_geometry.contract import local_seq_len
+    from vllm_dcp_geometry.runtime.patching import original_of
 
     vllm_config = dsv32_config(D, 1)
     spec = latent_spec(B, _spec_count(k))

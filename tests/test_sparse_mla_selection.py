@@ -42,11 +42,11 @@ from tests.support.sparse_mla import (
 )
 from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.group_context import (
+from vllm_dcp_geometry.runtime.group_context import (
     current_indexer_geometry,
     use_indexer_geometry,
 )
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 
 pytestmark = pytest.mark.patches(
     "worker.sparse_attn_indexer", "worker.deepseek_v32_attention"

@@ -477,7 +477,7 @@ def _good_tree(root: Path) -> None:
     )
     write_module(
         root,
-        "vllm_dcp_geometry/contract.py",
+        "vllm_dcp_geometry/contract/rules.py",
         "def cdiv(a: int, b: int) -> int:\n"
         '    """Ceiling division."""\n'
         "    return -(-a // b)\n",
@@ -603,7 +603,7 @@ def test_the_copy_check_fails_on_a_broken_tree(tmp_path: Path) -> None:
     write_module(tmp_path, "tests/support/worker.py", '"""Worker."""\n')
     write_module(
         tmp_path,
-        "vllm_dcp_geometry/cli/workers.py",
+        "vllm_dcp_geometry/tooling/cli/workers.py",
         "def emulate_dcp_group(block_table, dcp_world_size, dcp_rank):\n"
         "    for table in block_table.block_tables:\n"
         "        table.dcp_world_size = dcp_world_size\n",
@@ -632,16 +632,16 @@ def test_the_copy_check_fails_on_a_broken_tree(tmp_path: Path) -> None:
         "        table.dcp_world_size = world\n",
     )
     assert copy_problems(tmp_path) == [
-        "cdiv in tests/support/worker.py copies vllm_dcp_geometry/contract.py: "
+        "cdiv in tests/support/worker.py copies vllm_dcp_geometry/contract/rules.py: "
         "import it from there",
         "divisors is defined in tests/support/sweeps.py, tests/test_a.py: define "
         "it once in tests/support/ and import it",
         "emulate_dcp_group in tests/support/worker.py copies "
-        "vllm_dcp_geometry/cli/workers.py: import it from there",
+        "vllm_dcp_geometry/tooling/cli/workers.py: import it from there",
         "cdiv is defined 2 times (tests/support/worker.py, "
-        "vllm_dcp_geometry/contract.py), not once",
+        "vllm_dcp_geometry/contract/rules.py), not once",
         "divisors is defined 2 times (tests/support/sweeps.py, tests/test_a.py), "
         "not once",
         "emulate_dcp_group is defined 2 times (tests/support/worker.py, "
-        "vllm_dcp_geometry/cli/workers.py), not once",
+        "vllm_dcp_geometry/tooling/cli/workers.py), not once",
     ]

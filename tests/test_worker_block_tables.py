@@ -23,8 +23,6 @@ from tests.support.specs import mamba_align
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import DcpGeometryError, plugin
 from vllm_dcp_geometry import contract as c
-from vllm_dcp_geometry._patching import original_of
-from vllm_dcp_geometry.geometry import block_table_layout, input_batch_layout
 from vllm_dcp_geometry.patches.worker import (
     block_table as v1_patch,
 )
@@ -40,6 +38,8 @@ from vllm_dcp_geometry.patches.worker import (
 from vllm_dcp_geometry.patches.worker import (
     gpu_model_runner_v2 as v2_runner_patch,
 )
+from vllm_dcp_geometry.runtime.geometry import block_table_layout, input_batch_layout
+from vllm_dcp_geometry.runtime.patching import original_of
 
 pytestmark = pytest.mark.patches(
     "worker.block_table",

@@ -42,7 +42,7 @@ from tests.support.slot_mapping import (
 )
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import contract as c
-from vllm_dcp_geometry.geometry import block_table_layout
+from vllm_dcp_geometry.runtime.geometry import block_table_layout
 
 pytestmark = pytest.mark.patches(
     "worker.block_table", "worker.gpu_model_runner", "worker.gpu_block_table"

@@ -18,8 +18,11 @@ imports: forbidden imports and settings in the package.
   benchmarks imports a module under ``vllm_dcp_geometry.patches`` (at any
   level, by statement or by ``importlib``), except the registry
   (``vllm_dcp_geometry/patches/__init__.py`` and ``plugin.py``), which loads
-  them by name from ``PATCH_MODULES``. What patch modules share lives in
-  non-patch modules. Tests may import the module they test.
+  them by name from ``PATCH_MODULES``. Tests may import the module they test.
+- The floors (``MAY_IMPORT``): the contract imports only itself and nothing
+  of vLLM, even inside a function; the runtime imports the contract; patch
+  modules import the contract and the runtime; the entry point those and the
+  registry. None of them imports the tooling, which may import everything.
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ REGISTRY = (
     Path("vllm_dcp_geometry/patches/__init__.py"),
     Path("vllm_dcp_geometry/plugin.py"),
 )
-REGISTRY_NAMES = {"PATCH_MODULES", "PATCH_PACKAGE", "patch_table_markdown"}
+REGISTRY_NAMES = {"PATCH_MODULES", "PATCH_PACKAGE"}
 TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
-CPU_WORKER_SWITCHES = Path("vllm_dcp_geometry/cli/ranks/cpu.py")
+CPU_WORKER_SWITCHES = Path("vllm_dcp_geometry/tooling/cli/ranks/cpu.py")
 """The one library module that may name the switches: what ``ranks`` puts in
 the environment of the worker processes it spawns on a machine with no GPU
 (never in its own process, never at import time)."""
@@ -128,18 +131,83 @@ def _imported_patch_modules(tree: ast.Module, path: Path) -> list[tuple[int, str
     return found
 
 
-def shared_module_names() -> list[str]:
-    """The shared modules as ``vllm_dcp_geometry.patches.SHARED_MODULES``
-    lists them, read from its source (this tool imports nothing of ours)."""
-    registry = Path(__file__).resolve().parent.parent / REGISTRY[0]
-    tree = ast.parse(registry.read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign | ast.Assign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(getattr(t, "id", None) == "SHARED_MODULES" for t in targets):
-                assert node.value is not None
-                return [name for name, _ in ast.literal_eval(node.value)]
-    raise SystemExit(f"{REGISTRY[0]}: SHARED_MODULES not found")
+PACKAGE = "vllm_dcp_geometry"
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "_version": frozenset(),
+    "contract": frozenset({"contract"}),
+    "runtime": frozenset({"_version", "contract", "runtime"}),
+    "patches": frozenset({"contract", "runtime"}),
+    "plugin": frozenset({"_version", "contract", "runtime", "patches"}),
+    "__init__": frozenset({"_version", "contract", "runtime", "plugin"}),
+}
+"""Each part of the package (its first path component below
+``vllm_dcp_geometry``; ``__init__`` is the package module itself) and the
+parts it may import, anywhere in the file: the floors of the house, lowest
+first. What a server loads (contract, runtime, patches, the entry point)
+never imports the tooling; the contract imports nothing of vLLM at all. The
+parts not listed (``tooling``, ``__main__``) run beside vLLM and may import
+every part."""
+BESIDE_VLLM = frozenset({"tooling", "__main__"})
+PURE = "contract"
+
+
+def _package_part(name: str, root: Path) -> str | None:
+    """The part of the package a dotted name lies in (None: not ours)."""
+    parts = name.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    if len(parts) == 1:
+        return "__init__"
+    child = parts[1]
+    if child in MAY_IMPORT or child in BESIDE_VLLM:
+        return child
+    if (root / PACKAGE / child).is_dir() or (root / PACKAGE / f"{child}.py").exists():
+        return child
+    return "__init__"
+
+
+def _file_part(path: Path) -> str:
+    below = path.parts[path.parts.index(PACKAGE) + 1 :]
+    return Path(below[0]).stem
+
+
+def _imports_anywhere(tree: ast.Module, path: Path) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(node, path)
+            if module == PACKAGE:
+                found.extend((node.lineno, f"{module}.{a.name}") for a in node.names)
+            else:
+                found.append((node.lineno, module))
+    return found
+
+
+def floor_problems(path: Path, tree: ast.Module) -> list[str]:
+    """Imports that climb: a part importing what its floor may not."""
+    part = _file_part(path)
+    allowed = MAY_IMPORT.get(part)
+    if allowed is None:
+        return []
+    root = Path(*path.parts[: path.parts.index(PACKAGE)])
+    found = []
+    for lineno, name in _imports_anywhere(tree, path):
+        if part == PURE and name.split(".")[0] in HEAVY:
+            found.append(
+                f"{path}:{lineno}: the contract imports {name}; it stays pure "
+                "Python (vLLM-facing code belongs in vllm_dcp_geometry/runtime)"
+            )
+        target = _package_part(name, root)
+        if target is None or (target == part and part != "__init__"):
+            continue
+        if target not in allowed:
+            found.append(
+                f"{path}:{lineno}: {part} imports {name} ({target}); {part} may "
+                f"import only {', '.join(sorted(allowed)) or 'nothing of ours'}"
+            )
+    return found
 
 
 def patch_import_problems(path: Path, tree: ast.Module) -> list[str]:
@@ -149,8 +217,8 @@ def patch_import_problems(path: Path, tree: ast.Module) -> list[str]:
         return []
     return [
         f"{path}:{lineno}: imports patch module {name}; patch modules must be "
-        "removable one at a time: move what it shares into a non-patch module "
-        f"({', '.join(shared_module_names())})"
+        "removable one at a time: move what it shares into "
+        "vllm_dcp_geometry/runtime or vllm_dcp_geometry/contract"
         for lineno, name in _imported_patch_modules(tree, path)
     ]
 
@@ -165,7 +233,7 @@ def import_problems(path: Path) -> list[str]:
         return []
     text = path.read_text(encoding="utf-8")
     tree = ast.parse(text, filename=str(path))
-    found = patch_import_problems(path, tree)
+    found = patch_import_problems(path, tree) + floor_problems(path, tree)
     for lineno, name in _top_level_imports(tree):
         root = name.split(".")[0]
         if root in HEAVY:

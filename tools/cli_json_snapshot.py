@@ -42,7 +42,8 @@ def main() -> None:
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
     profiles = sorted(
-        p.stem for p in (root / "vllm_dcp_geometry" / "profiles").glob("*.toml")
+        p.stem
+        for p in (root / "vllm_dcp_geometry" / "tooling" / "profiles").glob("*.toml")
     )
     for profile in profiles:
         for command in COMMANDS:

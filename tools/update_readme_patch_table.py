@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_dcp_geometry.patches import patch_table_markdown
+from vllm_dcp_geometry.tooling.docs.patch_table import patch_table_markdown
 
 START, END = "<!-- patch-table:start -->\n", "\n<!-- patch-table:end -->"
 

@@ -4,7 +4,7 @@
 
 import sys
 
-from vllm_dcp_geometry.cli import main
+from vllm_dcp_geometry.tooling.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,7 @@ workers) before KV-cache specs are collected or block tables built.
 modules already imported is verified before any patch is applied, and if
 applying fails, what was applied is undone and the hooks are removed. A patch
 whose module is imported later fails that import, and every later one
-(``_import_hooks``).
+(``import_hooks``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import os
 import threading
 from types import ModuleType
 
-from vllm_dcp_geometry import _import_hooks, _patching
 from vllm_dcp_geometry._version import installed_vllm_version, pinned_vllm_version
-from vllm_dcp_geometry.patches import PATCH_MODULES, PATCH_PACKAGE
+from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.runtime import import_hooks, patching
 
 logger = logging.getLogger("vllm_dcp_geometry")
 
@@ -39,7 +39,6 @@ class VllmVersionError(RuntimeError):
 
 _lock = threading.Lock()
 _installed = False
-_applied: dict[str, str] = {}
 
 
 def check_vllm_version() -> str:
@@ -66,16 +65,16 @@ def check_vllm_version() -> str:
     )
 
 
-def _verify_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> None:
+def _verify_patch_module(patch: patching.PatchModule, upstream: ModuleType) -> None:
     for symbol in patch.PATCHED_SYMBOLS:
-        _patching.verify_symbol(symbol, upstream)
+        patching.verify_symbol(symbol, upstream)
 
 
-def _apply_patch_module(patch: _patching.PatchModule, upstream: ModuleType) -> None:
+def _apply_patch_module(patch: patching.PatchModule, upstream: ModuleType) -> None:
     _verify_patch_module(patch, upstream)
-    with _patching.applying(patch.__name__):  # type: ignore[attr-defined]
+    with patching.applying(patch.__name__):  # type: ignore[attr-defined]
         patch.apply(upstream)
-    _applied[patch.__name__] = upstream.__name__  # type: ignore[attr-defined]
+        patching.record_applied(patch.__name__, upstream.__name__)  # type: ignore[attr-defined]
     logger.debug("vllm-dcp-geometry patched %s", upstream.__name__)
 
 
@@ -91,48 +90,35 @@ def register() -> None:
         if _installed:
             return
         check_vllm_version()
-        patches: list[_patching.PatchModule] = [
+        patches: list[patching.PatchModule] = [
             importlib.import_module(name)  # type: ignore[misc]
             for name in PATCH_MODULES
         ]
         for patch in patches:
-            upstream = _import_hooks.loaded_module(patch.UPSTREAM_MODULE)
+            upstream = import_hooks.loaded_module(patch.UPSTREAM_MODULE)
             if upstream is not None:
                 _verify_patch_module(patch, upstream)
         _install_hooks(patches)
         _installed = True
 
 
-def _install_hooks(patches: list[_patching.PatchModule]) -> None:
-    applied_before = dict(_applied)
-    installed: list[tuple[str, _import_hooks.Callback]] = []
+def _install_hooks(patches: list[patching.PatchModule]) -> None:
+    installed: list[tuple[str, import_hooks.Callback]] = []
     try:
-        with _patching.undo_on_error():
+        with patching.undo_on_error():
             for patch in patches:
-                callback: _import_hooks.Callback = functools.partial(
+                callback: import_hooks.Callback = functools.partial(
                     _apply_patch_module, patch
                 )
                 installed.append((patch.UPSTREAM_MODULE, callback))
-                _import_hooks.when_imported(patch.UPSTREAM_MODULE, callback)
+                import_hooks.when_imported(patch.UPSTREAM_MODULE, callback)
     except BaseException:
         for name, callback in installed:
-            _import_hooks.forget(name, callback)
-        _applied.clear()
-        _applied.update(applied_before)
+            import_hooks.forget(name, callback)
         raise
 
 
 def applied_patches() -> dict[str, str]:
-    """Patch modules applied so far in this process, with their vLLM module."""
-    return dict(_applied)
-
-
-def patch_module_name(relative: str) -> str:
-    """The full name of a patch module named relative to the patches
-    package (``worker.flash_attn``), as declarations name them."""
-    return f"{PATCH_PACKAGE}.{relative}"
-
-
-def patch_applied(relative: str) -> bool:
-    """Whether the patch module ``relative`` has applied in this process."""
-    return patch_module_name(relative) in applied_patches()
+    """Patch modules applied so far in this process, with their vLLM module
+    (the ledger's record, ``patching.applied_patches``)."""
+    return patching.applied_patches()

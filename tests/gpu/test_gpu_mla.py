@@ -72,7 +72,7 @@ def test_plan_defaults_are_vllms_first_choice_on_sm90() -> None:
     from vllm.platforms.cuda import _get_backend_priorities
     from vllm.platforms.interface import DeviceCapability
 
-    from vllm_dcp_geometry.cli.plan.attention import DEFAULT_ATTENTION_BACKENDS
+    from vllm_dcp_geometry.tooling.cli.plan.attention import DEFAULT_ATTENTION_BACKENDS
 
     hopper = DeviceCapability(9, 0)
     assert DEFAULT_ATTENTION_BACKENDS["mla"] == (

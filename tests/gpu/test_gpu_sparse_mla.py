@@ -203,7 +203,7 @@ def _flashmla_rank(
         rank_process,
     )
     from vllm_dcp_geometry.contract import reference_slot_mapping
-    from vllm_dcp_geometry.layer_classes import (
+    from vllm_dcp_geometry.contract.layer_classes import (
         DEEPSEEK_V32_ATTENTION,
         LAYER_CLASS_ATTR,
     )

@@ -30,7 +30,7 @@ import torch
 
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
-from vllm_dcp_geometry.mla_rank_run import (
+from vllm_dcp_geometry.tooling.mla_rank_run import (
     STAND_IN_OPS,
     build_mla_layer,
     max_error,
@@ -39,7 +39,7 @@ from vllm_dcp_geometry.mla_rank_run import (
 )
 
 # Re-exported: the stand-ins, by name, for the tests and ``cpu_stand_ins``.
-from vllm_dcp_geometry.mla_rank_run import (  # isort: skip
+from vllm_dcp_geometry.tooling.mla_rank_run import (  # isort: skip
     concat_and_cache_mla as concat_and_cache_mla,
     cp_gather_cache as cp_gather_cache,
     gather_and_maybe_dequant_cache as gather_and_maybe_dequant_cache,
@@ -210,7 +210,7 @@ def replica_groups_of(
     ``SimulatedReplica``s), made for ``dcp``, while its builders are made
     (what ``create_replica_groups`` makes at KV-cache initialisation in a
     real worker)."""
-    from vllm_dcp_geometry import replica_groups
+    from vllm_dcp_geometry.runtime import replica_groups
 
     def replica(k: int) -> SimulatedGroup:
         group = (
@@ -257,7 +257,7 @@ def all_gather_into_tensor(out: Any, local: Any, group: Any = None, **_: Any) ->
 
 
 # Stand-ins for vllm._C cache ops (see test_mla_stand_ins): the library's
-# (``vllm_dcp_geometry.mla_rank_run``), which ``vllm-dcp-geometry ranks`` uses too.
+# (``vllm_dcp_geometry.tooling.mla_rank_run``), which ``vllm-dcp-geometry ranks`` uses too.
 
 
 # CPU set-up ----------------------------------------------------------------------
@@ -384,7 +384,7 @@ def make_batch(dcp: int, shard_count: int, seed: int, shape: Shape = CPU) -> Bat
 def reference(batch: Batch) -> dict[str, torch.Tensor]:
     """Float64 single-device MLA: per token the output [H*V], the LSE over
     everything it sees [H], and the LSE over its request's context [H]
-    (``vllm_dcp_geometry.mla_rank_run.mla_reference``)."""
+    (``vllm_dcp_geometry.tooling.mla_rank_run.mla_reference``)."""
     shape = batch.shape
     return mla_reference(
         batch.kv_c,

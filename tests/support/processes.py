@@ -4,7 +4,7 @@
 snippet and reads back the JSON document it prints as its last line of
 standard output. Patches are process-wide, so "unpatched vLLM" is only ever a
 fresh process that never calls ``register()``. The process itself is the
-library's one fresh-process runner (``vllm_dcp_geometry._fresh_process``,
+library's one fresh-process runner (``vllm_dcp_geometry.tooling.fresh_process``,
 whose ``run_fresh_python`` is re-exported here); what only tests need, the CPU
 switches (``CPU_PRELUDE``) and registering the plugin, is prepended here, and
 ``REPO_ROOT`` is the working directory every child starts in.
@@ -16,7 +16,7 @@ import os
 import textwrap
 from typing import Any
 
-from vllm_dcp_geometry._fresh_process import FreshProcessError, run_fresh_python
+from vllm_dcp_geometry.tooling.fresh_process import FreshProcessError, run_fresh_python
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

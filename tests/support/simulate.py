@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """What the ``simulate`` tests run: the tests' ``SimulationOptions`` (the
 command's, plus two test-only hooks that go through the simulation's extension
-point ``vllm_dcp_geometry.cli.simulate.options.SimulationHooks``:
+point ``vllm_dcp_geometry.tooling.cli.simulate.options.SimulationHooks``:
 ``on_step(view)``, called after each step's checks with the step's
 ``StepView``, to feed the same outputs to vLLM's own worker code or hand a
 check a deliberately wrong input, and ``shift_shard=(group, rank)``, where that
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dcp_geometry.cli.simulate import options
-from vllm_dcp_geometry.topology import Topology, topology_from_mapping
+from vllm_dcp_geometry.tooling.cli.simulate import options
+from vllm_dcp_geometry.tooling.topology import Topology, topology_from_mapping
 
 # Hooks ----------------------------------------------------------------------------
 

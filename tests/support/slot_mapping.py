@@ -28,8 +28,8 @@ from tests.support import worker as h
 from tests.support.sweeps import divisors
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import contract as c
-from vllm_dcp_geometry.cli.simulate.workers import emulate_dcp_group
-from vllm_dcp_geometry.geometry import block_table_layout
+from vllm_dcp_geometry.runtime.geometry import block_table_layout
+from vllm_dcp_geometry.tooling.cli.simulate.workers import emulate_dcp_group
 
 ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
 MLA = {"num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}

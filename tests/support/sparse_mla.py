@@ -69,7 +69,7 @@ from vllm_dcp_geometry.contract import (
     local_seq_len,
     reference_slot_mapping,
 )
-from vllm_dcp_geometry.mla_rank_run import write_deepseek_config
+from vllm_dcp_geometry.tooling.mla_rank_run import write_deepseek_config
 
 LATENT_DIM = 576
 """``kv_lora_rank + rope``: the one head size of the sparse kernels."""
@@ -303,7 +303,7 @@ def rank_selection(
     leading columns of other rows and ``row_starts`` pointing past them."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai
 
-    from vllm_dcp_geometry.group_context import use_indexer_geometry
+    from vllm_dcp_geometry.runtime.group_context import use_indexer_geometry
 
     geometry = indexer_geometry(dcp, shard_count, rank, interleave)
     world, shard = geometry.shard_world
@@ -945,7 +945,7 @@ def indexer_op_stand_in(records: dict[int, IndexerCall], coop: CooperativeRanks)
     the op does."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai
 
-    from vllm_dcp_geometry.group_context import current_indexer_geometry
+    from vllm_dcp_geometry.runtime.group_context import current_indexer_geometry
 
     signature = inspect.signature(sai.sparse_attn_indexer)
 
@@ -1032,8 +1032,8 @@ def make_sparse_ranks(
     """Every rank's layers, bound as the worker binds them for the group's K
     (``layer_binding.bind_group_layers`` with the geometry resolved from a
     spec carrying K; nothing for vLLM's own K = D), and its paged cache."""
-    from vllm_dcp_geometry.group_geometry import resolve_group_geometry
-    from vllm_dcp_geometry.layer_binding import bind_group_layers
+    from vllm_dcp_geometry.runtime.group_geometry import resolve_group_geometry
+    from vllm_dcp_geometry.runtime.layer_binding import bind_group_layers
 
     shape = case.shape
     spec = mla_spec(
@@ -1095,9 +1095,9 @@ def run_sparse_case(
     import vllm.model_executor.layers.sparse_attn_indexer as sai
     from vllm.forward_context import ForwardContext, override_forward_context
 
-    from vllm_dcp_geometry._patching import original_of
-    from vllm_dcp_geometry.impl_binding import ReplicaMaskedCombine
     from vllm_dcp_geometry.patches.worker import deepseek_v32_attention
+    from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
+    from vllm_dcp_geometry.runtime.patching import original_of
 
     if vllm_config is None:
         vllm_config = dsv32_config(

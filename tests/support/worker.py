@@ -55,7 +55,7 @@ def enable_v2_on_cpu() -> Callable[[], None]:
 def v2_shard_counts(kv_config: Any, vllm_config: Any) -> list[int]:
     """Every group's K as the patched Model Runner V2 hands it to
     ``BlockTables`` (patched processes only)."""
-    from vllm_dcp_geometry.geometry import group_shard_counts
+    from vllm_dcp_geometry.runtime.geometry import group_shard_counts
 
     parallel = vllm_config.parallel_config
     return group_shard_counts(
@@ -263,7 +263,7 @@ def v2_table_args(
     """The per-group arguments Model Runner V2's ``initialize_kv_cache`` gives
     ``BlockTables``, from the same spec methods it calls (one restatement of
     upstream's loop, shared with ``simulate``)."""
-    from vllm_dcp_geometry.cli.simulate.workers_v2 import upstream_v2_table_args
+    from vllm_dcp_geometry.tooling.cli.simulate.workers_v2 import upstream_v2_table_args
 
     return upstream_v2_table_args(kv_cache_config, vllm_config, max_len)
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from vllm_dcp_geometry._patching import (
+from vllm_dcp_geometry.runtime.geometry import make_virtual_block_size_resolver
+from vllm_dcp_geometry.runtime.patching import (
     UpstreamSymbol,
     wrap_module_functions,
 )
-from vllm_dcp_geometry.geometry import make_virtual_block_size_resolver
 
 UPSTREAM_MODULE = "vllm.benchmarks.forward.batch"
 RUNS_IN = "benchmark"

@@ -27,13 +27,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import (
-    UpstreamChangedError,
-    UpstreamSymbol,
-    add_attribute,
-    set_item,
-    wrap,
-)
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     TokenLayout,
@@ -44,11 +37,18 @@ from vllm_dcp_geometry.contract import (
     resolve_shard_count,
     resolve_uniform_shard_count,
 )
-from vllm_dcp_geometry.geometry import (
+from vllm_dcp_geometry.runtime.geometry import (
     SHARD_COUNT_FIELD_NAME,
     default_shard_count,
     explicit_shard_count,
     get_kv_cache_dcp_shard_count,
+)
+from vllm_dcp_geometry.runtime.patching import (
+    UpstreamChangedError,
+    UpstreamSymbol,
+    add_attribute,
+    set_item,
+    wrap,
 )
 
 UPSTREAM_MODULE = "vllm.v1.kv_cache_interface"

@@ -28,16 +28,16 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
     check_prefill_context_parallel,
 )
-from vllm_dcp_geometry.geometry import (
+from vllm_dcp_geometry.runtime.geometry import (
     default_shard_count,
     get_kv_cache_dcp_shard_count,
     group_name,
 )
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.core.kv_cache_coordinator"
 RUNS_IN = "engine_core"

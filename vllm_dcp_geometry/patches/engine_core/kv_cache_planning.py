@@ -12,9 +12,10 @@ What:
   K is 1 is replicated over DCP ranks and gets vLLM's replicated answer;
   otherwise the original (K > 1 ranks hold different shards).
 - ``get_global_kv_cache_groups`` first runs
-  ``vllm_dcp_geometry.overrides.check_applied`` over every worker's specs: an
-  override pattern that matches no layer of any worker, or a worker whose
-  specs miss the override (plugin not loaded), fails at start-up.
+  ``vllm_dcp_geometry.runtime.spec_overrides.check_applied`` over every
+  worker's specs: an override pattern that matches no layer of any worker,
+  or a worker whose specs miss the override (plugin not loaded), fails at
+  start-up.
 Per-request memory (``max_memory_usage_bytes``, ``max_memory_usage_pages``,
 max concurrency, max-model-len estimates) goes through the spec methods the
 common ``kv_cache_interface`` patch makes K-aware; nothing here restates it.
@@ -30,16 +31,16 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import (
-    UpstreamSymbol,
-    wrap_module_functions,
-)
-from vllm_dcp_geometry.geometry import (
+from vllm_dcp_geometry.runtime.geometry import (
     default_shard_count,
     explicit_shard_count,
     get_kv_cache_dcp_shard_count,
 )
-from vllm_dcp_geometry.overrides import check_applied
+from vllm_dcp_geometry.runtime.patching import (
+    UpstreamSymbol,
+    wrap_module_functions,
+)
+from vllm_dcp_geometry.runtime.spec_overrides import check_applied
 
 UPSTREAM_MODULE = "vllm.v1.core.kv_cache_planning"
 RUNS_IN = "engine_core"

@@ -30,16 +30,16 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import (
-    UpstreamSymbol,
-    wrap_module_functions,
-)
-from vllm_dcp_geometry.geometry import (
+from vllm_dcp_geometry.runtime.geometry import (
     differs_from_default,
     group_shard_counts,
     make_virtual_block_size_resolver,
 )
-from vllm_dcp_geometry.hand_back import groups_follow_vllm_default
+from vllm_dcp_geometry.runtime.hand_back import groups_follow_vllm_default
+from vllm_dcp_geometry.runtime.patching import (
+    UpstreamSymbol,
+    wrap_module_functions,
+)
 
 UPSTREAM_MODULE = "vllm.v1.core.kv_cache_utils"
 RUNS_IN = "engine_core"

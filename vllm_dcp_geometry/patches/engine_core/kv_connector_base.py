@@ -33,14 +33,14 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.geometry import (
+from vllm_dcp_geometry.runtime.geometry import (
     default_shard_count,
     get_kv_cache_dcp_shard_count,
     group_name,
 )
-from vllm_dcp_geometry.hand_back import groups_follow_vllm_default
+from vllm_dcp_geometry.runtime.hand_back import groups_follow_vllm_default
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 RUNS_IN = "engine_core"

@@ -27,13 +27,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import check_prefill_context_parallel
-from vllm_dcp_geometry.geometry import (
+from vllm_dcp_geometry.runtime.geometry import (
     default_shard_count,
     get_kv_cache_dcp_shard_count,
     group_name,
 )
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.core.single_type_kv_cache_manager"
 RUNS_IN = "engine_core"

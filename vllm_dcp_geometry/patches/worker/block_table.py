@@ -29,10 +29,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.geometry import BlockTableLayout
-from vllm_dcp_geometry.group_context import TAKEN_LAYOUT_ATTR, pending_layout
+from vllm_dcp_geometry.runtime.geometry import BlockTableLayout
+from vllm_dcp_geometry.runtime.group_context import TAKEN_LAYOUT_ATTR, pending_layout
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.worker.block_table"
 RUNS_IN = "worker"

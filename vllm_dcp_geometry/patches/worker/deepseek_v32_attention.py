@@ -42,20 +42,20 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import (
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.contract.layer_classes import (
+    DEEPSEEK_V32_ATTENTION,
+    LAYER_BINDERS,
+    LayerBinding,
+)
+from vllm_dcp_geometry.runtime.group_context import use_indexer_geometry
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR, check_rebind
+from vllm_dcp_geometry.runtime.patching import (
     UpstreamSymbol,
     require_class_path,
     require_global_call,
     set_item,
     wrap,
-)
-from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.group_context import use_indexer_geometry
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR, check_rebind
-from vllm_dcp_geometry.layer_classes import (
-    DEEPSEEK_V32_ATTENTION,
-    LAYER_BINDERS,
-    LayerBinding,
 )
 
 UPSTREAM_MODULE = "vllm.models.deepseek_v32.attention"

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.geometry import get_kv_cache_dcp_shard_count, group_name
+from vllm_dcp_geometry.runtime.geometry import get_kv_cache_dcp_shard_count, group_name
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 RUNS_IN = "worker"

@@ -51,10 +51,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.group_context import current_group_geometry
-from vllm_dcp_geometry.metadata_builders import BuilderTeaching, builder_init
+from vllm_dcp_geometry.runtime.group_context import current_group_geometry
+from vllm_dcp_geometry.runtime.metadata_builders import BuilderTeaching, builder_init
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flash_attn"
 RUNS_IN = "worker"

@@ -43,11 +43,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.group_context import current_group_geometry
-from vllm_dcp_geometry.impl_binding import mask_combine
-from vllm_dcp_geometry.metadata_builders import (
+from vllm_dcp_geometry.runtime.group_context import current_group_geometry
+from vllm_dcp_geometry.runtime.impl_binding import mask_combine
+from vllm_dcp_geometry.runtime.metadata_builders import (
     BuilderTeaching,
     attach_local_seq_lens_buffer,
     bound_partial_geometry,
@@ -55,6 +54,7 @@ from vllm_dcp_geometry.metadata_builders import (
     group_local_seq_lens,
     make_partial_group_build,
 )
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.flashinfer"
 RUNS_IN = "worker"

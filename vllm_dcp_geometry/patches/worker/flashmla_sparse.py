@@ -31,8 +31,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.group_geometry import resolve_group_geometry
+from vllm_dcp_geometry.runtime.group_geometry import resolve_group_geometry
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.mla.flashmla_sparse"
 RUNS_IN = "worker"

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, require_class_path, wrap
-from vllm_dcp_geometry.layer_classes import FLINT_ATTENTION, LAYER_CLASS_ATTR
+from vllm_dcp_geometry.contract.layer_classes import FLINT_ATTENTION, LAYER_CLASS_ATTR
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, require_class_path, wrap
 
 UPSTREAM_MODULE = "vllm.models.flint.model"
 RUNS_IN = "worker"

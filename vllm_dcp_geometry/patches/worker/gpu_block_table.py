@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.geometry import group_name
-from vllm_dcp_geometry.group_context import (
+from vllm_dcp_geometry.runtime.geometry import group_name
+from vllm_dcp_geometry.runtime.group_context import (
     TAKEN_SHARD_COUNTS_ATTR,
     pending_shard_counts,
 )
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu.block_table"
 RUNS_IN = "worker"

@@ -19,7 +19,7 @@ masking at any D (Model Runner V2 has), so a replicated sliding-window group
 here keeps exactly its D = 1 table.
 It also wraps ``GPUModelRunner.get_kv_cache_spec``: the specs this worker
 collects get the operator's ``--additional-config`` DCP geometry overrides
-(``vllm_dcp_geometry.overrides``), identically on every worker.
+(``vllm_dcp_geometry.contract.overrides``), identically on every worker.
 
 Why: vLLM 0.33.0 derives the slot mode and alignment from the cache kind and
 lets every table use the global DCP size and rank; operators have no way to
@@ -34,15 +34,15 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.geometry import BlockTableLayout, input_batch_layout
-from vllm_dcp_geometry.group_context import (
+from vllm_dcp_geometry.runtime.geometry import BlockTableLayout, input_batch_layout
+from vllm_dcp_geometry.runtime.group_context import (
     TAKEN_LAYOUT_ATTR,
     pending_block_table_layout,
 )
-from vllm_dcp_geometry.hand_back import follows_vllm_default
-from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
+from vllm_dcp_geometry.runtime.hand_back import follows_vllm_default
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.spec_overrides import make_get_kv_cache_spec
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu_model_runner"
 RUNS_IN = "worker"

@@ -22,7 +22,7 @@ replicated, and in vLLM 0.33.0 every speculator with a draft KV cache is one
 (only the DFlash family runs its draft at DCP 1), so they get K = 1 here.
 It also wraps ``GPUModelRunner.get_kv_cache_spec``: the specs this worker
 collects get the operator's ``--additional-config`` DCP geometry overrides
-(``vllm_dcp_geometry.overrides``); an override wins over the draft default.
+(``vllm_dcp_geometry.contract.overrides``); an override wins over the draft default.
 
 Why: vLLM 0.33.0 hands ``BlockTables`` one ``cp_size`` plus a per-group bool,
 which cannot express a partial K; operators have no way to set a layer's
@@ -37,15 +37,15 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.geometry import group_shard_counts
-from vllm_dcp_geometry.group_context import (
+from vllm_dcp_geometry.runtime.geometry import group_shard_counts
+from vllm_dcp_geometry.runtime.group_context import (
     TAKEN_SHARD_COUNTS_ATTR,
     pending_dcp_shard_counts,
 )
-from vllm_dcp_geometry.hand_back import groups_follow_vllm_default
-from vllm_dcp_geometry.overrides import make_get_kv_cache_spec
+from vllm_dcp_geometry.runtime.hand_back import groups_follow_vllm_default
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.spec_overrides import make_get_kv_cache_spec
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu.model_runner"
 RUNS_IN = "worker"

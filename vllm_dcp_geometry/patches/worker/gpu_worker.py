@@ -39,8 +39,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.replica_groups import make_replica_groups
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.replica_groups import make_replica_groups
 
 UPSTREAM_MODULE = "vllm.v1.worker.gpu_worker"
 RUNS_IN = "worker"

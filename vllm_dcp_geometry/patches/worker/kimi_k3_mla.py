@@ -32,15 +32,19 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, require_class_path, set_item
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.group_geometry import BOUND_GEOMETRY_ATTR
-from vllm_dcp_geometry.layer_classes import (
+from vllm_dcp_geometry.contract.layer_classes import (
     KIMI_K3_MLA,
     LAYER_BINDERS,
     LayerBinding,
 )
-from vllm_dcp_geometry.mla_geometry import bind_mla_layer
+from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.runtime.mla_geometry import bind_mla_layer
+from vllm_dcp_geometry.runtime.patching import (
+    UpstreamSymbol,
+    require_class_path,
+    set_item,
+)
 
 UPSTREAM_MODULE = "vllm.models.kimi_k3.nvidia.mla"
 RUNS_IN = "worker"

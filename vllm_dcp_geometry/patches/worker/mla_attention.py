@@ -53,28 +53,28 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.collectives import REPLICA
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.group_context import (
+from vllm_dcp_geometry.contract.collectives import REPLICA
+from vllm_dcp_geometry.contract.overrides import partial_collectives
+from vllm_dcp_geometry.runtime.group_context import (
     current_group_geometry,
     current_replica_group,
 )
-from vllm_dcp_geometry.metadata_builders import (
+from vllm_dcp_geometry.runtime.metadata_builders import (
     BuilderTeaching,
     attach_local_seq_lens_buffer,
     builder_init,
     make_partial_group_build,
 )
-from vllm_dcp_geometry.mla_geometry import (
+from vllm_dcp_geometry.runtime.mla_geometry import (
     CHUNK_PLANNER_PARAMETERS,
     check_context_workspace,
     decode_max_seq_len,
     group_context_chunk_kwargs,
     make_group_getter,
 )
-from vllm_dcp_geometry.overrides import partial_collectives
-from vllm_dcp_geometry.replica_groups import replica_group
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.replica_groups import replica_group
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 RUNS_IN = "worker"

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.mla_geometry import MANAGER_ARGS_ATTR, make_group_getter
+from vllm_dcp_geometry.runtime.mla_geometry import MANAGER_ARGS_ATTR, make_group_getter
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.attention.ops.dcp"
 RUNS_IN = "worker"

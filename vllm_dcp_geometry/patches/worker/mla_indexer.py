@@ -31,9 +31,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.metadata_builders import BuilderTeaching, builder_init
+from vllm_dcp_geometry.runtime.metadata_builders import BuilderTeaching, builder_init
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
 
 UPSTREAM_MODULE = "vllm.v1.attention.backends.mla.indexer"
 RUNS_IN = "worker"

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, require_global_call, wrap
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.group_context import current_indexer_geometry
+from vllm_dcp_geometry.runtime.group_context import current_indexer_geometry
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, require_global_call, wrap
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
 RUNS_IN = "worker"

@@ -37,18 +37,22 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamChangedError, UpstreamSymbol, wrap
 from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.group_context import use_group_geometry
-from vllm_dcp_geometry.metadata_builders import (
+from vllm_dcp_geometry.runtime.group_context import use_group_geometry
+from vllm_dcp_geometry.runtime.metadata_builders import (
     BuilderTeaching,
     bound_partial_geometry,
     builder_init,
 )
-from vllm_dcp_geometry.mla_geometry import (
+from vllm_dcp_geometry.runtime.mla_geometry import (
     CHUNK_PLANNER_PARAMETERS,
     check_context_workspace,
     make_group_getter,
+)
+from vllm_dcp_geometry.runtime.patching import (
+    UpstreamChangedError,
+    UpstreamSymbol,
+    wrap,
 )
 
 UPSTREAM_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"

@@ -29,10 +29,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry._patching import UpstreamSymbol, wrap
-from vllm_dcp_geometry.attention_admission import DCP_DROPPED_FEATURES
-from vllm_dcp_geometry.group_geometry import resolve_group_geometry
-from vllm_dcp_geometry.worker_admission import (
+from vllm_dcp_geometry.contract.attention_admission import DCP_DROPPED_FEATURES
+from vllm_dcp_geometry.runtime.group_geometry import resolve_group_geometry
+from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.worker_admission import (
     admit_group,
     attention_kind,
     backend_label,

@@ -1,0 +1,494 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""How a KV-cache group's attention runs under DCP: the one admission rule.
+
+``admit_attention`` decides, from a group's kind, its shard count K, the DCP
+world size D, the K vLLM 0.33.0 itself would read the cache with, the layer
+class (``layer_classes``), the attention backend and the DCP modes that
+matter, one of:
+
+- ``local``: K = 1 (or D = 1). Every rank holds every position; attention is
+  plain single-device attention: no query all-gather, no LSE combine.
+- ``dcp``: K = D. vLLM's own DCP attention, untouched.
+- ``dcp-partial``: 1 < K < D. The backend reads the rank's shard ``r % K``
+  with the group's local lengths and combines exactly: a dense MLA backend
+  within the rank's K-rank replica group (rule A6,
+  ``collectives_within_replica``), the others over the D-wide DCP group with
+  duplicate replicas weighing 0.
+- ``refused``: the layer class or the backend cannot honour K; ``reason`` is
+  the one-line start-up error naming the group, layer, layer class, backend,
+  K and D.
+- ``none``: the group has no attention (recurrent state).
+
+The runtime (the ``AttentionGroup.create_metadata_builders`` patch and the
+builder patches) and ``vllm-dcp-geometry plan`` both call it, so ``plan``
+prints what start-up does. Pure logic: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.contract.layer_classes import (
+    DEEPSEEK_V32_ATTENTION,
+    DEEPSEEK_V32_INDEXER_CACHE,
+    GENERIC_LAYERS,
+    SPECIALIZED_DECODE_LAYERS,
+    TAUGHT_LAYERS,
+    taught_layer,
+)
+
+
+class AttentionMode(str, enum.Enum):
+    LOCAL = "local"
+    DCP = "dcp"
+    DCP_PARTIAL = "dcp-partial"
+    REFUSED = "refused"
+    NONE = "none"
+
+
+class AttentionKind(str, enum.Enum):
+    """What a group's spec asks of attention."""
+
+    ATTENTION = "attention"
+    """Token-slot attention whose builder (FlashAttention, FlashInfer) takes
+    the DCP world from the spec's ``dcp_sharded``."""
+
+    MLA = "mla"
+    """Multi-head latent attention (``MLAAttentionSpec`` and subclasses, the
+    sparse indexer's cache too): vLLM 0.33.0's MLA builders and impls take D
+    from the DCP group, never from the spec, so vLLM reads every MLA cache
+    with K = D whatever ``dcp_sharded`` says."""
+
+    NONE = "none"
+    """No attention reads the cache (recurrent state)."""
+
+
+@dataclass(frozen=True)
+class TaughtBackend:
+    """A backend whose builder (this exact class) the plugin taught a
+    group's K: it runs K = 1 locally and 1 < K < D exactly."""
+
+    kind: AttentionKind
+    builder: str
+    """``module.qualname`` of the builder class the patches act on."""
+    patch: str
+    """The patch module (under ``vllm_dcp_geometry.patches``) that teaches
+    the builder; where it is not applied, start-up refuses the backend's
+    K < D naming it."""
+
+    layers: frozenset[str] | None = None
+    """The layer classes it is taught for (None: every taught class of its
+    kind). The sparse backends' top-k comes from their layer's indexer call,
+    which only the taught DeepSeek-V3.2 layer hands the group's K."""
+
+    @property
+    def replica_collectives(self) -> bool:
+        """Whether a partial group on it runs its collectives within its
+        K-rank replica (rule A6): the dense MLA builders, whose patch binds
+        the replica group; every other backend stays on the D-wide group."""
+        return self.patch == _MLA_PATCH
+
+
+_BACKENDS = "vllm.v1.attention.backends."
+_MLA_PATCH = "worker.mla_attention"
+_SPARSE_PATCH = "worker.sparse_mla_attention"
+_SPARSE_LAYERS = frozenset({DEEPSEEK_V32_ATTENTION})
+
+
+def collectives_within_replica(backend: str | None) -> bool:
+    """Rule A6 for a backend name: its partial groups collective within
+    their replica (``TaughtBackend.replica_collectives``) where the operator
+    keeps the default ``partial_collectives``."""
+    taught = TAUGHT_BACKENDS.get(backend or "")
+    return taught is not None and taught.replica_collectives
+
+
+TAUGHT_BACKENDS: dict[str, TaughtBackend] = {
+    "FLASH_ATTN": TaughtBackend(
+        AttentionKind.ATTENTION,
+        _BACKENDS + "flash_attn.FlashAttentionMetadataBuilder",
+        "worker.flash_attn",
+    ),
+    "FLASHINFER": TaughtBackend(
+        AttentionKind.ATTENTION,
+        _BACKENDS + "flashinfer.FlashInferMetadataBuilder",
+        "worker.flashinfer",
+    ),
+    "FLASHMLA": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashmla.FlashMLAMetadataBuilder",
+        _MLA_PATCH,
+    ),
+    "FLASH_ATTN_MLA": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashattn_mla.FlashAttnMLAMetadataBuilder",
+        _MLA_PATCH,
+    ),
+    "FLASHINFER_MLA": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashinfer_mla.FlashInferMLAMetadataBuilder",
+        _MLA_PATCH,
+    ),
+    "CUTLASS_MLA": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.cutlass_mla.CutlassMLAMetadataBuilder",
+        _MLA_PATCH,
+    ),
+    "TRITON_MLA": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.triton_mla.TritonMLAMetadataBuilder",
+        _MLA_PATCH,
+    ),
+    "FLASHMLA_SPARSE": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashmla_sparse.FlashMLASparseMetadataBuilder",
+        "worker.flashmla_sparse",
+        _SPARSE_LAYERS,
+    ),
+    "FLASHINFER_MLA_SPARSE": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS
+        + "mla.flashinfer_mla_sparse.FlashInferMLASparseTRTLLMMetadataBuilder",
+        _SPARSE_PATCH,
+        _SPARSE_LAYERS,
+    ),
+    "FLASH_ATTN_MLA_SPARSE_FA4": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.flashattn_mla_sparse.FlashAttnMLASparseFA4MetadataBuilder",
+        _SPARSE_PATCH,
+        _SPARSE_LAYERS,
+    ),
+    "DEEPSEEK_V32_INDEXER": TaughtBackend(
+        AttentionKind.MLA,
+        _BACKENDS + "mla.indexer.DeepseekV32IndexerMetadataBuilder",
+        "worker.mla_indexer",
+        frozenset({DEEPSEEK_V32_INDEXER_CACHE}),
+    ),
+}
+"""Every backend the plugin taught a group's K, by vLLM backend name. Any
+other backend runs only the K vLLM itself reads the cache with."""
+
+
+def taught_backend_name(builder_path: str) -> str | None:
+    """The taught backend whose builder is exactly ``builder_path``."""
+    for name, taught in TAUGHT_BACKENDS.items():
+        if taught.builder == builder_path:
+            return name
+    return None
+
+
+_DOTS3_SLIDING_BUILDER = (
+    "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder"
+)
+LOCAL_ONLY_BUILDERS: dict[str, TaughtBackend] = {
+    # Dots3 NOTE's sliding-window MLA builder (a TritonMLAMetadataBuilder)
+    # raises for prefills whenever its own DCP world is > 1; built in the
+    # world (1, 0) of a replicated group it is TRITON_MLA's DCP1 builder.
+    _DOTS3_SLIDING_BUILDER: TaughtBackend(
+        AttentionKind.MLA, _DOTS3_SLIDING_BUILDER, _MLA_PATCH
+    ),
+}
+"""Builder classes (subclasses of a taught builder) taught K = 1 only, by
+``module.qualname``; a backend label may name one in parentheses."""
+
+
+def teaching_patch(backend: str) -> str | None:
+    """The patch that teaches ``backend`` (a label) a group's K, if any."""
+    taught = TAUGHT_BACKENDS.get(backend)
+    if taught is not None:
+        return taught.patch
+    local_only = local_only_builder(backend)
+    return None if local_only is None else LOCAL_ONLY_BUILDERS[local_only].patch
+
+
+def local_only_builder(backend: str) -> str | None:
+    """The local-only builder ``backend`` (a label) names, if any."""
+    for path in LOCAL_ONLY_BUILDERS:
+        if backend == path or backend.endswith(f"({path})"):
+            return path
+    return None
+
+
+ATTENTION_FEATURES = {
+    "sinks": "attention sinks (s_aux)",
+    "rswa_mask": "the R-SWA mask_mod",
+    "mm_prefix_mask": "the multimodal-prefix mask_mod",
+}
+"""Attention features a layer may use that a backend's DCP path can drop,
+by the name topologies use (``attention_features``)."""
+
+DCP_DROPPED_FEATURES: dict[str, frozenset[str]] = {
+    # FlashAttentionImpl._forward_with_dcp passes neither s_aux nor mask_mod
+    # to its kernels (it keeps ALiBi, the sliding window and the soft-cap);
+    # K = 1 runs the single-device path, which passes them.
+    "FLASH_ATTN": frozenset(ATTENTION_FEATURES),
+}
+"""Features each backend's DCP attention path (every K > 1, K = D included)
+silently drops. FlashInfer refuses sinks under DCP itself (outside TRTLLM)
+and no other feature here reaches it; vLLM's dense MLA has none of them."""
+
+
+INTERLEAVE_ONE_ONLY_BACKENDS = frozenset({"FLASHINFER_MLA"})
+"""Backends whose builder refuses ``cp_kv_cache_interleave_size != 1``
+whenever DCP is on (it reads the parallel config, not the group)."""
+
+
+@dataclass(frozen=True)
+class AttentionAdmission:
+    """The decision for one group; ``reason`` is set when refused."""
+
+    mode: AttentionMode
+    reason: str = ""
+
+    @property
+    def refused(self) -> bool:
+        return self.mode is AttentionMode.REFUSED
+
+    def check(self) -> AttentionAdmission:
+        """Raise the refusal as a start-up ``DcpGeometryError``."""
+        if self.refused:
+            raise DcpGeometryError(self.reason)
+        return self
+
+
+def vllm_shard_count(
+    kind: AttentionKind, dcp_world_size: int, default_shard_count: int
+) -> int:
+    """The K vLLM 0.33.0's own attention code reads a group's cache with."""
+    if kind is AttentionKind.MLA:
+        return dcp_world_size
+    return default_shard_count
+
+
+def is_mla_backend_name(backend: str) -> bool:
+    """vLLM 0.33.0 names every MLA member of ``AttentionBackendEnum`` (dense
+    and sparse) with ``MLA`` in it; the CLI uses this where a backend cannot
+    be imported without a GPU (a test checks it against every importable
+    backend)."""
+    return "MLA" in backend
+
+
+def _taught(kind: AttentionKind, backend: str, k: int) -> bool:
+    taught = TAUGHT_BACKENDS.get(backend)
+    if taught is not None:
+        return taught.kind is kind
+    local_only = local_only_builder(backend)
+    return (
+        local_only is not None
+        and LOCAL_ONLY_BUILDERS[local_only].kind is kind
+        and k == 1
+    )
+
+
+def _backend_layers(backend: str) -> frozenset[str] | None:
+    taught = TAUGHT_BACKENDS.get(backend)
+    return None if taught is None else taught.layers
+
+
+def _refusal(head: str, why: str, remedy: str) -> AttentionAdmission:
+    return AttentionAdmission(AttentionMode.REFUSED, f"{head}: {why}; {remedy}")
+
+
+def is_sparse_backend_name(backend: str) -> bool:
+    """Sparse MLA backends and indexer caches (vLLM 0.33.0's names)."""
+    return "SPARSE" in backend or "INDEXER" in backend
+
+
+def _remedy(kind: AttentionKind, backend: str) -> str:
+    sparse = is_sparse_backend_name(backend)
+    taught = ", ".join(
+        n
+        for n, t in TAUGHT_BACKENDS.items()
+        if t.kind is kind and is_sparse_backend_name(n) == sparse
+    )
+    return f"use K=D ('sharded') for this group, or the {taught} backend"
+
+
+def _untaught(
+    head: str, kind: AttentionKind, backend: str, k: int, vllm_k: int
+) -> AttentionAdmission:
+    what = f"{backend} is"
+    if local_only_builder(backend) is not None:
+        what = f"{backend} is taught K=1 only and"
+    return _refusal(
+        head,
+        f"{what} not taught per-group DCP shard counts and would read this "
+        f"cache with vLLM's own K={vllm_k}",
+        _remedy(kind, backend),
+    )
+
+
+def _untaught_layer(
+    head: str, kind: AttentionKind, layer_class: str, k: int, vllm_k: int
+) -> AttentionAdmission:
+    taught = TAUGHT_LAYERS.get(layer_class)
+    if taught is not None and taught.mla == (kind is AttentionKind.MLA):
+        why = f"its layer class runs only K=1 here: {taught.why_not_partial}"
+        remedy = "use K=1 ('replicated') or K=D ('sharded') for this layer"
+    else:
+        why = (
+            "its layer class is not taught per-group DCP shard counts; its own "
+            f"code reads this cache with vLLM's K={vllm_k}"
+        )
+        remedy = f"use K={vllm_k} for this layer"
+    return _refusal(head, why, remedy)
+
+
+def describe_layer(layer_name: str | None, layer_class: str | None, mla: bool) -> str:
+    """``layer NAME (CLASS)`` as the start-up errors name a group's layer."""
+    path = GENERIC_LAYERS[mla] if layer_class is None else layer_class
+    return f"layer {layer_name or '(any)'} ({path})"
+
+
+def impl_world_refusal(head: str, impl_dcp_world_size: int) -> AttentionAdmission:
+    """A sharded cache read by an impl vLLM built for fewer DCP ranks (the
+    dense DFlash/DSpark drafts of Model Runner V2 run at DCP 1)."""
+    return _refusal(
+        head,
+        f"its attention impl was built for a DCP world of {impl_dcp_world_size} "
+        "and would read a cache sharded over D as if it held every position",
+        "leave this layer replicated (K=1), as vLLM builds it",
+    )
+
+
+def admit_attention(
+    *,
+    owner: str,
+    kind: AttentionKind,
+    backend: str | None,
+    shard_count: int,
+    dcp_world_size: int,
+    default_shard_count: int,
+    pcp_world_size: int = 1,
+    interleave_size: int = 1,
+    dcp_q_replicate: bool = False,
+    layer_class: str | None = None,
+    layer_name: str | None = None,
+    impl_dcp_world_size: int | None = None,
+    specialized_decode: bool = False,
+    layer_features: frozenset[str] = frozenset(),
+) -> AttentionAdmission:
+    """How ``owner``'s attention runs (see the module docstring): contract
+    rule A4, and P1's refusal of K < D with PCP.
+
+    ``default_shard_count`` is the contract's reading of the spec's
+    ``dcp_sharded`` (D or 1); ``backend`` is vLLM's backend name
+    (``AttentionBackend.get_name()``). ``dcp_q_replicate`` is MLA's DCP query
+    replication (the layer brings D*H query heads), ``interleave_size`` the
+    ``cp_kv_cache_interleave_size``. ``layer_class`` is the ``module.qualname``
+    of the class that reads the cache (None: vLLM's generic layer for the
+    kind), ``layer_name`` one of its layers, ``impl_dcp_world_size`` the DCP
+    world its attention impl was built for (None: D, as vLLM builds target
+    layers), ``specialized_decode`` whether Kimi-K3's specialized decode is
+    on, ``layer_features`` the ``ATTENTION_FEATURES`` the layer uses.
+    """
+    # The contract's rules for D and K (rank 0 stands for any rank).
+    GroupGeometry(owner, shard_count, dcp_world_size, 0)
+    d, k = dcp_world_size, shard_count
+    if kind is AttentionKind.NONE:
+        return AttentionAdmission(AttentionMode.NONE)
+    if d == 1:
+        return AttentionAdmission(AttentionMode.LOCAL)
+    mla = kind is AttentionKind.MLA
+    head = (
+        f"{owner}: {describe_layer(layer_name, layer_class, mla)}, "
+        f"attention backend {backend}, K={k}, D={d}"
+    )
+    dropped = sorted(layer_features & DCP_DROPPED_FEATURES.get(backend or "", set()))
+    if k > 1 and dropped:
+        return _refusal(
+            head,
+            f"its DCP attention path drops "
+            f"{', '.join(ATTENTION_FEATURES[f] for f in dropped)}, which the layer "
+            "uses: the output would be silently wrong",
+            f"use K=1 ('replicated') for this layer (its single-device {backend} "
+            "path keeps them) or another backend",
+        )
+    if k == d:
+        if impl_dcp_world_size is not None and impl_dcp_world_size != d:
+            return impl_world_refusal(head, impl_dcp_world_size)
+        return AttentionAdmission(AttentionMode.DCP)
+    if pcp_world_size > 1:
+        # vLLM's PCP attention spans the PCP ranks too; nothing shows it right
+        # for a cache with fewer shards than D, so it is not run.
+        return _refusal(
+            head,
+            f"prefill context parallelism (PCP={pcp_world_size}) runs vLLM's "
+            "own context-parallel attention, which is only known right for K=D",
+            "use K=D ('sharded') or turn PCP off",
+        )
+    vllm_k = vllm_shard_count(kind, d, default_shard_count)
+    if k == vllm_k:
+        # The K the layer's own code and its backend read the cache with.
+        return AttentionAdmission(AttentionMode.LOCAL)
+    if backend is None or not _taught(kind, backend, k):
+        return _untaught(head, kind, backend or "(none)", k, vllm_k)
+    layer = taught_layer(layer_class, mla)
+    if layer is None or (k > 1 and not layer.partial):
+        path = GENERIC_LAYERS[mla] if layer_class is None else layer_class
+        return _untaught_layer(head, kind, path, k, vllm_k)
+    if layer.backends is not None and backend not in layer.backends:
+        return _refusal(
+            head,
+            f"its layer class is taught per-group DCP shard counts only with "
+            f"{', '.join(sorted(layer.backends))}",
+            f"use one of them, or K={vllm_k} for this layer",
+        )
+    backend_layers = _backend_layers(backend)
+    if backend_layers is not None and layer.path not in backend_layers:
+        return _refusal(
+            head,
+            f"{backend} is taught per-group DCP shard counts only for "
+            f"{', '.join(sorted(backend_layers))} (whose own indexer call is "
+            f"taught the group's K); this layer class would read the cache with "
+            f"vLLM's own K={vllm_k}",
+            f"use K={vllm_k} for this layer",
+        )
+    if specialized_decode and layer.path in SPECIALIZED_DECODE_LAYERS:
+        return _refusal(
+            head,
+            "Kimi-K3's specialized decode (decode_backend=latency_specialized) "
+            "runs its own DCP mailboxes over all D ranks and bypasses the impl",
+            "use K=D ('sharded') for this group or turn specialized decode off",
+        )
+    return _admit_taught(
+        head,
+        kind,
+        backend,
+        k,
+        interleave_size=interleave_size,
+        dcp_q_replicate=dcp_q_replicate,
+    )
+
+
+def _admit_taught(
+    head: str,
+    kind: AttentionKind,
+    backend: str,
+    k: int,
+    *,
+    interleave_size: int,
+    dcp_q_replicate: bool,
+) -> AttentionAdmission:
+    """K < D on a backend the plugin taught."""
+    partial = k > 1
+    if kind is AttentionKind.MLA and dcp_q_replicate:
+        return _refusal(
+            head,
+            "DCP query replication (dcp_q_replicate) brings every rank the "
+            "query heads of all D ranks, which only a D-way combine reduces",
+            "use K=D ('sharded') or set dcp_q_replicate=False",
+        )
+    if backend in INTERLEAVE_ONE_ONLY_BACKENDS and interleave_size != 1:
+        return _refusal(
+            head,
+            f"its builder refuses cp_kv_cache_interleave_size={interleave_size} "
+            "whenever DCP is on",
+            "use cp_kv_cache_interleave_size=1 or another backend",
+        )
+    if partial:
+        return AttentionAdmission(AttentionMode.DCP_PARTIAL)
+    return AttentionAdmission(AttentionMode.LOCAL)

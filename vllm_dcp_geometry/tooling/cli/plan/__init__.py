@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``vllm-dcp-geometry plan``: per-group geometry and cost, before renting GPUs.
+
+For each cache group: its shard count K, block-table widths and bytes per
+rank, KV bytes per token and per request per rank, with the same numbers
+from unpatched vLLM 0.33.0 (``document``), and how its attention runs at
+start-up (``attention``); the text output is in ``output``. A group whose
+attention start-up would refuse makes the command exit 2 with start-up's
+one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_dcp_geometry.tooling.cli.common import capacity, runs
+from vllm_dcp_geometry.tooling.cli.common.flags import add_topology_args, load_topology
+from vllm_dcp_geometry.tooling.cli.common.status import EXIT_OK, report_bad_input
+from vllm_dcp_geometry.tooling.cli.plan.document import build_plan, first_refusal
+from vllm_dcp_geometry.tooling.cli.plan.output import format_plan
+
+HELP = "per-group shard count, widths and block-table bytes vs vLLM 0.33.0"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``plan``'s flags."""
+    add_topology_args(parser)
+    parser.add_argument(
+        "--attention-backend",
+        metavar="NAME",
+        help="vLLM attention backend for the groups of its kind (MLA or not); "
+        "default: vLLM's first choice on SM90 (FLASH_ATTN_MLA, FLASH_ATTN)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def command(args: argparse.Namespace) -> int:
+    """``vllm-dcp-geometry plan``."""
+    topology = load_topology(args)
+    runs.prepare_vllm(args, patched=True)
+    capacity.check_topology_capacity(topology)
+    document = build_plan(topology, args.attention_backend)
+    document.update(runs.versions())
+    runs.emit(document, args.json, format_plan(document))
+    refusal = first_refusal(document)
+    # A group start-up would refuse: the same one-line error, exit 2.
+    return EXIT_OK if refusal is None else report_bad_input(refusal)

@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``vllm-dcp-geometry ranks``: DCP attention across D real worker processes.
+
+``simulate`` runs every rank in one process; this command starts D worker
+processes on this machine (``run``; gloo on CPU, NCCL where D GPUs are
+visible), each initialising vLLM's real distributed state and loading the
+plugin through vLLM's own plugin loader (``worker``). Each builds the
+topology's MLA groups on vLLM's real layer, impl and builder, writes random
+K/V at the contract's slot mapping for the group's K, runs a decode step and
+a chunked prefill over a context with vLLM's real collectives (partial groups
+within their K-rank replica groups, made by the same start-up code as
+``vllm serve``'s workers; ``--partial-collectives dcp`` keeps them on the
+D-wide DCP group), and holds every rank's output and LSE to a float64
+single-device reference, counting the bytes each rank moves through the DCP
+and replica groups. Sizes are scaled down (``cases``); groups whose backends
+need CUDA, recurrent groups and layer classes this command does not build
+are listed with the reason. The CPU switches the workers need are set only in
+their environment (``cpu``). The text is ``report``'s.
+
+``--baseline`` also runs the same ranks on unpatched vLLM (children with
+``VLLM_PLUGINS=""``); the exit status is then 1 where unpatched vLLM is
+wrong too. Exit 0 clean, 1 wrong numerics, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_dcp_geometry.contract.collectives import PARTIAL_COLLECTIVES, REPLICA
+from vllm_dcp_geometry.tooling.cli.common import runs
+from vllm_dcp_geometry.tooling.cli.common.flags import (
+    add_topology_args,
+    int_flag,
+    load_topology,
+    output_file,
+)
+from vllm_dcp_geometry.tooling.cli.ranks.report import format_baseline, format_report
+from vllm_dcp_geometry.tooling.cli.ranks.run import run_ranks
+from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
+from vllm_dcp_geometry.tooling.topology.limits import NON_NEGATIVE_INT32, IntRange
+
+HELP = (
+    "DCP attention across D real worker processes (vLLM's collectives), "
+    "checked against a float64 reference"
+)
+
+MAX_RANKS = 16
+"""Worker processes one run may start (each imports vLLM, ~0.8 GB)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``ranks``' flags: the topology flags, then its own."""
+    add_topology_args(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--receipt", metavar="FILE", type=output_file, help="write a JSON receipt"
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run the ranks on unpatched vLLM (VLLM_PLUGINS='')",
+    )
+    parser.add_argument(
+        "--partial-collectives",
+        choices=PARTIAL_COLLECTIVES,
+        default=REPLICA,
+        help="where partial MLA groups run their collectives: within their "
+        "K-rank replica (default) or on the D-wide DCP group",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--seed",
+        type=int_flag(NON_NEGATIVE_INT32),
+        default=0,
+        help="seed of the random K/V, queries and weights",
+    )
+
+
+def check_inputs(topology: Topology) -> None:
+    """Refuse, before any process starts, a run this machine cannot hold."""
+    dcp = topology.decode_context_parallel_size
+    IntRange(1, MAX_RANKS, "MAX_RANKS: one process per rank").check(
+        dcp, "ranks: the DCP size"
+    )
+    if dcp < 2:
+        raise TopologyError(
+            f"ranks: the DCP size must be at least 2 (got {dcp}); with one rank "
+            "there are no collectives to run"
+        )
+
+
+def command(args: argparse.Namespace) -> int:
+    """``vllm-dcp-geometry ranks``."""
+    topology = load_topology(args)
+    check_inputs(topology)
+    verbose = getattr(args, "verbose", False)
+    progress = not args.no_progress
+    report = run_ranks(
+        topology,
+        patched=True,
+        seed=args.seed,
+        progress=progress,
+        verbose=verbose,
+        partial_collectives=args.partial_collectives,
+    )
+    report.update(runs.versions())
+    report["inputs"] = {
+        **runs.source_inputs(args),
+        "seed": args.seed,
+        "partial_collectives": args.partial_collectives,
+        "topology": topology.to_dict(),
+    }
+    text = format_report(report)
+    if args.baseline:
+        text = runs.show_before_baseline(text, args.json)
+        baseline = run_ranks(
+            topology,
+            patched=False,
+            seed=args.seed,
+            progress=progress,
+            verbose=verbose,
+        )
+        report["baseline"] = baseline
+        report["patched_ok"] = report["ok"]
+        report["ok"] = report["ok"] and baseline["ok"]
+        text += format_baseline(baseline)
+    return runs.finish(args, "ranks", report, text)

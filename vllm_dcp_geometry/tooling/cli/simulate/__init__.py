@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``vllm-dcp-geometry simulate``: vLLM's scheduler feeding all D worker ranks.
+
+``replay`` drives the engine-core side only (vLLM's ``KVCacheManager``). This
+command runs one engine and its D workers end to end, with no weights and no
+GPU (``run``): vLLM's real ``Scheduler`` (``engine``) schedules a workload
+(``workloads``) with chunked prefill, prefix caching, preemption and
+speculative decoding; every ``SchedulerOutput`` is handed to every DCP rank's
+block tables of the chosen model runner (``workers``, ``workers_v2``); each
+rank's slot mapping and each attention group's local sequence lengths are
+checked at every step and every group (``checks``, over ``views``). Slot
+mappings come from a vectorized twin of vLLM's kernels, cross-checked against
+the real kernels on sampled steps where they run (``kernels``). The report
+and its text are in ``report``; what a run takes, and the hooks a caller may
+give it, in ``options``.
+
+``--baseline`` runs the same simulation on vLLM 0.33.0 as installed, in a
+fresh interpreter that never registers the plugin, and reports the first step
+and position where it breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vllm_dcp_geometry.tooling.cli.common import capacity, runs
+from vllm_dcp_geometry.tooling.cli.common.flags import (
+    add_run_args,
+    add_topology_args,
+    int_flag,
+    load_topology,
+)
+from vllm_dcp_geometry.tooling.cli.simulate.options import SimulationOptions
+from vllm_dcp_geometry.tooling.cli.simulate.report import (
+    compare_runs,
+    format_baseline,
+    format_report,
+)
+from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
+from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
+    MIXED_MAX_PROMPT,
+    MIXED_REQUESTS,
+    RUNNERS,
+    WORKLOADS,
+)
+from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
+from vllm_dcp_geometry.tooling.topology.limits import NON_NEGATIVE_INT32, POSITIVE_INT32
+
+HELP = (
+    "vLLM's scheduler feeding every DCP rank's block tables, checked each step, "
+    "no weights"
+)
+
+SIMULATE_MAX_RANK_TOKENS = 2**31
+"""Ranks times scheduled tokens times slot-mapped groups a run may check
+(about 0.3 us each): the default profile's replay checks 8 * 10**7, so a
+simulation stays within minutes."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simulate``'s flags: the topology flags, those it shares with
+    ``replay``, then its own."""
+    add_topology_args(parser)
+    add_run_args(
+        parser,
+        tokens="replay length (default: the profile's, else max_model_len)",
+        step_tokens="the scheduler's token budget per step (max_num_batched_tokens)",
+        num_pages="pool size in pages (default: replay, one max-length request "
+        "+ null page; mixed, small enough to preempt)",
+        baseline="also simulate on unpatched vLLM (fresh process)",
+    )
+    parser.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="v1",
+        help="the model runner the workers run (default v1)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="replay",
+        help="replay: the profile's long request (default); "
+        "mixed: many requests, prefix caching, preemption, "
+        "speculative decoding",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int_flag(POSITIVE_INT32),
+        help="requests of the mixed workload (default 32)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int_flag(NON_NEGATIVE_INT32),
+        default=0,
+        help="seed of the mixed workload and the draft acceptance",
+    )
+
+
+def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
+    """Refuse, before vLLM is imported, a simulation vLLM could not schedule
+    or that would not end in minutes; the replay length."""
+    tokens = runs.replay_tokens(topology, args.tokens)
+    if args.workload == "replay":
+        runs.check_replay_inputs(
+            topology, tokens, runs.replay_step_tokens(topology, args.step_tokens)
+        )
+        if args.requests is not None:
+            raise TopologyError("--requests applies to --workload mixed only")
+        work = tokens
+    else:
+        if args.tokens is not None:
+            raise TopologyError("--tokens applies to --workload replay only")
+        work = (args.requests or MIXED_REQUESTS) * MIXED_MAX_PROMPT
+    slot_groups = sum(1 for g in topology.groups if g.is_attention)
+    checked = work * topology.decode_context_parallel_size * max(slot_groups, 1)
+    if checked > SIMULATE_MAX_RANK_TOKENS:
+        raise TopologyError(
+            f"simulating {work:,} tokens on {topology.decode_context_parallel_size} "
+            f"ranks over {slot_groups} attention groups checks {checked:,} slot "
+            f"writes, beyond SIMULATE_MAX_RANK_TOKENS={SIMULATE_MAX_RANK_TOKENS:,} "
+            "(so that a simulation ends in minutes); lower --tokens or --requests"
+        )
+    return tokens
+
+
+def check_capacity(topology: Topology, args: argparse.Namespace, tokens: int) -> None:
+    """What needs vLLM's specs: the pool and tables fit what vLLM represents."""
+    if args.workload == "replay":
+        capacity.check_replay_capacity(
+            topology,
+            tokens=tokens,
+            step_tokens=runs.replay_step_tokens(topology, args.step_tokens),
+            num_pages=args.num_pages,
+        )
+    else:
+        capacity.check_topology_capacity(topology)
+
+
+def run_unpatched_baseline(
+    topology: Topology, args: argparse.Namespace, tokens: int
+) -> dict[str, Any]:
+    """The same simulation on vLLM 0.33.0 as installed, in a fresh
+    interpreter that never registers the plugin."""
+    return runs.run_unpatched(
+        "simulate",
+        topology,
+        [
+            ("--runner", args.runner),
+            ("--workload", args.workload),
+            ("--seed", args.seed),
+            ("--tokens", tokens if args.workload == "replay" else None),
+            ("--step-tokens", args.step_tokens),
+            ("--requests", args.requests),
+            ("--num-pages", args.num_pages),
+        ],
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    """``vllm-dcp-geometry simulate``."""
+    topology = load_topology(args)
+    tokens = check_inputs(topology, args)
+    unpatched = runs.start_vllm(args)
+    check_capacity(topology, args, tokens)
+    options = SimulationOptions(
+        runner=args.runner,
+        workload=args.workload,
+        tokens=tokens,
+        step_tokens=args.step_tokens,
+        num_pages=args.num_pages,
+        requests=args.requests,
+        seed=args.seed,
+        progress=not args.no_progress,
+        verbose=getattr(args, "verbose", False),
+    )
+    report = run_simulation(topology, options)
+    report.update(runs.versions())
+    report["inputs"] = {
+        **runs.source_inputs(args),
+        "runner": args.runner,
+        "workload": args.workload,
+        "tokens": tokens,
+        "step_tokens": args.step_tokens,
+        "requests": args.requests,
+        "seed": args.seed,
+        "num_pages": args.num_pages,
+        "topology": topology.to_dict(),
+    }
+    text = format_report(report)
+    if args.baseline and not unpatched:
+        text = runs.show_before_baseline(text, args.json)
+        baseline = run_unpatched_baseline(topology, args, tokens)
+        report["baseline"] = baseline
+        report["comparison"] = compare_runs(report, baseline)
+        text += format_baseline(baseline, report["comparison"])
+    return runs.finish(args, "simulate", report, text)

@@ -1,0 +1,347 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The engine side of ``simulate``: vLLM's real ``Scheduler`` with no model.
+
+``build_engine`` gives vLLM 0.33.0's own ``Scheduler`` a ``VllmConfig`` built
+from vLLM's config classes (the ``ModelConfig`` reads a tiny generated HF
+config: no weights, no tokenizer, no GPU) and the topology's scheduler-side
+``KVCacheConfig``, exactly as ``EngineCore.__init__`` does: block sizes from
+``resolve_kv_cache_block_sizes``, the prefix-cache block hasher from the cache
+config. Chunked prefill is on; prefix caching and speculative decoding (vLLM's
+``ngram`` method: drafts come from outside the model) follow the workload.
+
+``StandInModel`` is what the simulation has instead of a model: it returns a
+real ``ModelRunnerOutput`` each step (no token for a prefill chunk, as the
+runner's discard mask does; a seeded share of the scheduled drafts accepted
+plus one bonus token otherwise) and proposes draft token ids for the next
+step through ``Scheduler.update_draft_token_ids``, as ``EngineCore.post_step``
+hands them over.
+
+The workloads are in ``workloads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_dcp_geometry.tooling import vllm_objects
+from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
+    MIXED_POOL_SHARE,
+    RUNNERS,
+    VOCAB_SIZE,
+    RequestPlan,
+    Workload,
+)
+from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
+
+# Engine ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def model_runner_choice(runner: str) -> Iterator[None]:
+    """Tell vLLM's config which model runner the workers run, through vLLM's own
+    ``VLLM_USE_V2_MODEL_RUNNER`` switch (the scheduler reads it: Model Runner V2
+    gets resumed requests as new ones); restored afterwards."""
+    if runner not in RUNNERS:
+        raise TopologyError(f"unknown runner {runner!r}; one of {list(RUNNERS)}")
+    name = "VLLM_USE_V2_MODEL_RUNNER"
+    saved = os.environ.get(name)
+    os.environ[name] = "1" if runner == "v2" else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def _write_model_config(topology: Topology, directory: str) -> None:
+    """A minimal HF ``config.json``: what ``ModelConfig`` reads, no weights.
+
+    The head count equals the TP size (it must divide by it) and there is one
+    KV head (vLLM's DCP needs TP > KV heads); the cache layout itself comes
+    from the topology, not from this model.
+    """
+    heads = topology.tensor_parallel_size
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64 * heads,
+        "intermediate_size": 128,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": topology.max_model_len,
+        "torch_dtype": "bfloat16",
+    }
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh)
+
+
+def build_vllm_config(topology: Topology, workload: Workload, model_dir: str) -> Any:
+    """A real ``VllmConfig`` for the topology and workload (device: CPU)."""
+    from vllm.config import (
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+
+    _write_model_config(topology, model_dir)
+    parallel, cache = vllm_objects.layout_configs(
+        topology, enable_prefix_caching=workload.enable_prefix_caching
+    )
+    try:
+        model = ModelConfig(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            max_model_len=topology.max_model_len,
+            dtype="bfloat16",
+            seed=workload.seed,
+        )
+        speculative = None
+        if workload.num_speculative_tokens:
+            speculative = SpeculativeConfig(
+                method="ngram",
+                num_speculative_tokens=workload.num_speculative_tokens,
+                prompt_lookup_max=2,
+                prompt_lookup_min=1,
+            )
+        return VllmConfig(
+            model_config=model,
+            parallel_config=parallel,
+            cache_config=cache,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=workload.max_num_seqs,
+                max_num_batched_tokens=workload.step_tokens,
+                max_model_len=topology.max_model_len,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            speculative_config=speculative,
+            device_config=DeviceConfig(device="cpu"),
+        )
+    except (ValueError, AssertionError) as exc:  # pydantic errors are ValueErrors
+        raise TopologyError(
+            f"topology {topology.name!r}: vLLM rejects this engine configuration: {exc}"
+        ) from exc
+
+
+@dataclass
+class Engine:
+    """vLLM's scheduler and what it was built from."""
+
+    scheduler: Any
+    vllm_config: Any
+    kv_cache_config: Any
+    specs: list[Any]
+    scheduler_block_size: int
+    hash_block_size: int
+    num_pages: int
+    block_hasher: Any = None
+    pages_per_request: int = 0
+
+
+def default_num_pages(workload: Workload, specs: list[Any], config: Any) -> int:
+    """Pool pages: the replay holds one max-length request (vLLM's own rule,
+    plus the null page); the mixed workload gets ``MIXED_POOL_SHARE`` of what
+    its longest requests need all at once, so the scheduler must preempt."""
+    per_request = sum(vllm_objects.pages_per_request(s, config) for s in specs)
+    if workload.name == "replay":
+        return per_request + 1
+    longest = sorted(
+        (r.prompt_len + r.max_tokens + workload.num_speculative_tokens + 1)
+        for r in workload.requests
+    )[-workload.max_num_seqs :]
+    need = sum(_pages_for(specs, config, n) for n in longest)
+    floor = _pages_for(specs, config, longest[-1]) + len(specs)
+    return max(int(need * MIXED_POOL_SHARE), floor) + 1
+
+
+def _pages_for(specs: list[Any], config: Any, length: int) -> int:
+    """Pages one request of ``length`` tokens takes, by vLLM's own rule (asked
+    of a copy of ``config`` whose model is ``length`` tokens long)."""
+    sized = vllm_objects.with_max_model_len(config, length)
+    return sum(vllm_objects.pages_per_request(s, sized) for s in specs)
+
+
+def build_engine(
+    topology: Topology,
+    workload: Workload,
+    *,
+    patched: bool,
+    num_pages: int | None,
+    model_dir: str,
+) -> Engine:
+    """vLLM's ``Scheduler`` over the topology's KV-cache groups, built the way
+    ``EngineCore.__init__`` builds it."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = build_vllm_config(topology, workload, model_dir)
+    specs = [
+        vllm_objects.build_spec(g, topology, patched=patched) for g in topology.groups
+    ]
+    pages = (
+        num_pages
+        if num_pages is not None
+        else default_num_pages(workload, specs, config)
+    )
+    if pages < 2:
+        raise TopologyError(f"--num-pages must be at least 2, got {pages}")
+    kv_cache_config = vllm_objects.build_kv_cache_config(topology, specs, pages)
+    config.cache_config.num_gpu_blocks = pages
+    sched_block, hash_block = vllm_objects.resolve_block_sizes(kv_cache_config, config)
+    try:
+        scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=sched_block,
+            hash_block_size=hash_block,
+        )
+    except (ValueError, AssertionError) as exc:
+        raise TopologyError(f"vLLM's scheduler rejects this layout: {exc}") from exc
+    hasher = None
+    if workload.enable_prefix_caching:
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(
+            hash_block, hash_fn, config.num_hash_lookahead_tokens
+        )
+    return Engine(
+        scheduler=scheduler,
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        specs=specs,
+        scheduler_block_size=sched_block,
+        hash_block_size=hash_block,
+        num_pages=pages,
+        block_hasher=hasher,
+        pages_per_request=sum(vllm_objects.pages_per_request(s, config) for s in specs),
+    )
+
+
+@contextlib.contextmanager
+def quiet_vllm_config(enabled: bool = True) -> Iterator[None]:
+    """vLLM logs config notes while the engine is built (the CPU platform's
+    missing ``vllm._C``, async scheduling off for ngram drafts, the token
+    budget): nothing a simulation's user acts on, so below ERROR they are
+    held back unless ``--verbose``."""
+    import logging
+
+    logger = logging.getLogger("vllm")
+    saved = logger.level
+    if enabled:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
+
+
+@contextlib.contextmanager
+def model_directory() -> Iterator[str]:
+    """A scratch directory for the generated model config, removed after."""
+    path = tempfile.mkdtemp(prefix="vllm-dcp-geometry-simulate-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def make_request(plan: RequestPlan, engine: Engine) -> Any:
+    """A real ``Request`` for ``plan`` (ignoring EOS, so lengths are fixed)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=plan.max_tokens, ignore_eos=True)
+    return Request(
+        plan.request_id,
+        plan.prompt_token_ids(),
+        params,
+        pooling_params=None,
+        block_hasher=engine.block_hasher,
+    )
+
+
+# The stand-in model ---------------------------------------------------------------
+
+
+@dataclass
+class StandInModel:
+    """Sampled tokens and draft proposals in place of a model, seeded."""
+
+    seed: int
+    num_speculative_tokens: int
+    acceptance: float
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    _rng: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        import numpy as np
+
+        self._rng = np.random.default_rng(self.seed)
+
+    def _tokens(self, n: int) -> list[int]:
+        return self._rng.integers(1, VOCAB_SIZE, n).tolist()
+
+    def output(self, scheduler_output: Any, scheduler: Any) -> Any:
+        """The ``ModelRunnerOutput`` of one step: nothing for a request still in
+        prefill after this step (the runner discards its sample), else the
+        accepted prefix of its drafts plus one token."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            request = scheduler.requests[req_id]
+            if request.num_computed_tokens < request.num_tokens:
+                sampled.append([])
+                continue
+            proposed = [t for t in drafts.get(req_id, ()) if t >= 0]
+            accepted = 0
+            while accepted < len(proposed) and self._rng.random() < self.acceptance:
+                accepted += 1
+            self.draft_tokens += len(proposed)
+            self.accepted_tokens += accepted
+            sampled.append(proposed[:accepted] + self._tokens(1))
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def propose(self, model_output: Any, scheduler: Any) -> Any:
+        """Draft token ids for the requests that sampled and are still running."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        if not self.num_speculative_tokens:
+            return None
+        req_ids = [
+            req_id
+            for req_id, tokens in zip(
+                model_output.req_ids, model_output.sampled_token_ids, strict=True
+            )
+            if tokens
+            and req_id in scheduler.requests
+            and not scheduler.requests[req_id].is_finished()
+        ]
+        if not req_ids:
+            return None
+        proposals = [self._tokens(self.num_speculative_tokens) for _ in req_ids]
+        return DraftTokenIds(req_ids=req_ids, draft_token_ids=proposals)

@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""The tables of patched vLLM symbols and side channels, generated from the
+patch modules' declarations."""
+
+from __future__ import annotations
+
+from vllm_dcp_geometry.patches import PATCH_MODULES
+
+
+def shared_modules_sentence() -> str:
+    """The README's sentence on what patch modules may import."""
+    return (
+        "Patch modules never import each other; they import only "
+        "`vllm_dcp_geometry/contract/` (the rules, pure Python) and "
+        "`vllm_dcp_geometry/runtime/` (the code they share inside vLLM), and "
+        "neither of those imports a patch or the tooling; "
+        "`tools/check_sources.py` enforces it."
+    )
+
+
+def _symbol_list(qualnames: list[str]) -> str:
+    """Qualnames for a table cell; an attribute on three or more classes is
+    written once with the count."""
+    by_attr: dict[str, list[str]] = {}
+    for qualname in qualnames:
+        by_attr.setdefault(qualname.rpartition(".")[2], []).append(qualname)
+    cells = []
+    for qualname in qualnames:
+        owners = by_attr[qualname.rpartition(".")[2]]
+        if len(owners) < 3:
+            cells.append(f"`{qualname}`")
+        elif owners[0] == qualname:
+            cells.append(f"`{qualname.rpartition('.')[2]}` of {len(owners)} classes")
+    return ", ".join(cells) or "-"
+
+
+def patch_table_markdown() -> str:
+    """The README's tables of patched vLLM symbols and side channels,
+    generated from the modules."""
+    import importlib
+
+    from vllm_dcp_geometry.runtime.group_context import CHANNELS
+
+    rows = [
+        shared_modules_sentence(),
+        "",
+        "| runs in | vLLM module | replaces | relies on | adds | remove with | why "
+        "| remove when | related |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in PATCH_MODULES:
+        patch = importlib.import_module(name)
+        replaces = _symbol_list([s.qualname for s in patch.REPLACES])
+        relies = _symbol_list([s.qualname for s in patch.RELIES_ON])
+        adds = _symbol_list(list(patch.ADDS))
+        partners = ", ".join(f"`{p}`" for p in patch.REMOVE_WITH) or "-"
+        rows.append(
+            f"| {patch.RUNS_IN} | `{patch.UPSTREAM_MODULE}` | {replaces} | {relies} "
+            f"| {adds} | {partners} | {patch.WHY} | {patch.REMOVE_WHEN} "
+            f"| {patch.RELATED} |"
+        )
+    rows += [
+        "",
+        "Side channels (`vllm_dcp_geometry/runtime/group_context.py`): where a wrapper "
+        "hands a group's geometry to upstream code called deep inside it. "
+        "Writer and reader patches are removed together.",
+        "",
+        "| channel (set / get) | written by | when | read by | for |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    rows += [
+        f"| `{c.setter}` / `{c.getter}` | {', '.join(f'`{w}`' for w in c.writers)} "
+        f"| {c.written_when} | {', '.join(f'`{r}`' for r in c.readers)} "
+        f"| {c.read_for} |"
+        for c in CHANNELS
+    ]
+    return "\n".join(rows)

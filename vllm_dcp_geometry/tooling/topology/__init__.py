@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""KV-cache topologies: the cache groups of a model and its parallel layout.
+
+A topology is what the ``vllm-dcp-geometry`` commands plan and replay: one
+entry per KV-cache group (kind, layer names, block size and spec fields such
+as ``dcp_kv_shard_count`` or Mamba state shapes; optionally ``query_heads`` and
+``kv_lora_rank``, which only size ``plan``'s decode collectives) plus the
+parallel layout (``partial_collectives`` among it) and limits it is sized for.
+Topologies come from the built-in profiles
+(``vllm_dcp_geometry/tooling/profiles/*.toml``) or from a user's TOML or JSON file.
+
+- ``model``: ``CacheGroup`` and ``Topology``, validated against the contract;
+- ``parsing``: a parsed TOML/JSON document to a ``Topology``;
+- ``files``: topology files and the built-in profiles;
+- ``limits``: the ranges values may take, bounded by what vLLM can represent.
+
+Nothing here imports vLLM: a layout the contract forbids fails before any vLLM
+object is built, with a message naming the group.
+"""
+
+from vllm_dcp_geometry.tooling.topology.files import (
+    DEFAULT_PROFILE,
+    load_profile,
+    load_topology_file,
+    profile_names,
+)
+from vllm_dcp_geometry.tooling.topology.limits import TopologyError
+from vllm_dcp_geometry.tooling.topology.model import (
+    ATTENTION_KINDS,
+    KINDS,
+    MAMBA_CACHE_MODES,
+    RECURRENT_KINDS,
+    CacheGroup,
+    Topology,
+)
+from vllm_dcp_geometry.tooling.topology.parsing import topology_from_mapping
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "DEFAULT_PROFILE",
+    "KINDS",
+    "MAMBA_CACHE_MODES",
+    "RECURRENT_KINDS",
+    "CacheGroup",
+    "Topology",
+    "TopologyError",
+    "load_profile",
+    "load_topology_file",
+    "profile_names",
+    "topology_from_mapping",
+]
