@@ -202,11 +202,9 @@ def _time(fn: Any, *, cuda: bool, warmup: int, iters: int) -> float:
 def child(patched: bool, cpu: bool) -> dict[str, Any]:
     """One measurement process: every profile and batch, one mode."""
     if cpu:
-        import vllm.utils.torch_utils
-        import vllm.v1.utils
+        from vllm_dcp_geometry.tooling import cpu_stand_ins
 
-        vllm.v1.utils.PIN_MEMORY = False  # type: ignore[attr-defined]
-        vllm.utils.torch_utils.PIN_MEMORY = False  # type: ignore[attr-defined]
+        cpu_stand_ins.disable_pinned_memory(cpu_stand_ins.HOST_BUFFER_MODULES)
     if patched:
         import vllm_dcp_geometry
 

@@ -35,14 +35,6 @@ def v2_on_cpu() -> Iterator[None]:
         undo()
 
 
-def _disable_pinned_memory() -> None:
-    import vllm.utils.torch_utils
-    import vllm.v1.utils
-
-    vllm.v1.utils.PIN_MEMORY = False  # type: ignore[attr-defined]
-    vllm.utils.torch_utils.PIN_MEMORY = False  # type: ignore[attr-defined]
-
-
 PATCH_PACKAGE = "vllm_dcp_geometry.patches."
 
 
@@ -91,7 +83,9 @@ def _check_patch_option(config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _check_patch_option(config)
-    _disable_pinned_memory()
+    from vllm_dcp_geometry.tooling import cpu_stand_ins
+
+    cpu_stand_ins.disable_pinned_memory(cpu_stand_ins.HOST_BUFFER_MODULES)
     import vllm_dcp_geometry
 
     # Tests in this process run patched vLLM; unpatched baselines run in a

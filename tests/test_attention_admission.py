@@ -14,10 +14,12 @@ import pytest
 
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.contract.attention_admission import (
-    TAUGHT_BACKENDS,
-    AttentionKind,
     AttentionMode,
     admit_attention,
+)
+from vllm_dcp_geometry.contract.attention_backends import (
+    TAUGHT_BACKENDS,
+    AttentionKind,
     is_mla_backend_name,
 )
 

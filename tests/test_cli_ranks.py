@@ -247,30 +247,25 @@ def test_decode_step_formula(world: int, tokens: int) -> None:
 def test_the_kv_write_stand_in_writes_the_contracts_slots(
     monkeypatch: pytest.MonkeyPatch, shard_count: int, interleave: int
 ) -> None:
-    """``worker.write_cache`` (through ``vllm._custom_ops.concat_and_cache_mla``,
+    """``group.write_cache`` (through ``vllm._custom_ops.concat_and_cache_mla``,
     the stand-in) puts every position of every request on the shard the
     contract names, at the slot it names, once across the K shards."""
     import torch
     import vllm._custom_ops as ops
 
-    from vllm_dcp_geometry.tooling import mla_rank_run
-    from vllm_dcp_geometry.tooling.cli.ranks import worker
+    from vllm_dcp_geometry.tooling import cpu_stand_ins
+    from vllm_dcp_geometry.tooling.cli.ranks import group
 
-    monkeypatch.setattr(ops, "concat_and_cache_mla", mla_rank_run.concat_and_cache_mla)
+    monkeypatch.setattr(ops, "concat_and_cache_mla", cpu_stand_ins.concat_and_cache_mla)
     shape = Shape(kv_lora_rank=5, rope_dim=3)
     block, num_blocks = 8, 40
     requests = [(37, 1), (3, 1), (16, 5)]
     width = -(-64 // (block * shard_count))
-    inputs = worker.make_inputs(requests, 2, shape, num_blocks, width, seed=3)
+    inputs = group.make_inputs(requests, 2, shape, num_blocks, width, seed=3)
     written = torch.zeros(len(requests), 64, dtype=torch.int64)
     for shard in range(shard_count):
-        group = {
-            "block_size": block,
-            "shard_count": shard_count,
-            "interleave": interleave,
-            "shard": shard,
-        }
-        cache = worker.write_cache(inputs, group, shape, num_blocks, "cpu")
+        layout = group.ShardLayout(block, shard_count, interleave, shard)
+        cache = group.write_cache(inputs, layout, shape, num_blocks, "cpu")
         flat = cache.view(-1, cache.shape[-1])
         for i, (context, new) in enumerate(requests):
             slots = reference_slot_mapping(
@@ -289,6 +284,75 @@ def test_the_kv_write_stand_in_writes_the_contracts_slots(
                 assert torch.equal(flat[slot], want.float()), (shard, i, position)
     for i, (context, new) in enumerate(requests):
         assert written[i, : context + new].tolist() == [1] * (context + new)
+
+
+# The worker's pins and start-up ---------------------------------------------------
+
+
+def test_the_worker_pins_what_it_wraps_and_stands_in_for() -> None:
+    """Every vLLM symbol a worker wraps to measure (``measuring.METERED``) or
+    stands in for on CPU (``cpu_stand_ins.STAND_IN_SYMBOLS``) has, in the
+    installed vLLM, the parameters its code was written against; a changed
+    parameter list is refused."""
+    import dataclasses
+
+    from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, verify_symbol
+    from vllm_dcp_geometry.tooling.cli.ranks.measuring import METERED
+    from vllm_dcp_geometry.tooling.cpu_stand_ins import STAND_IN_SYMBOLS
+
+    for symbol in (*METERED, *STAND_IN_SYMBOLS):
+        verify_symbol(symbol)
+    for symbol in (METERED[0], STAND_IN_SYMBOLS[0]):
+        changed = dataclasses.replace(symbol, parameters="self, x")
+        with pytest.raises(UpstreamChangedError, match="parameters changed"):
+            verify_symbol(changed)
+
+
+def test_meters_on_a_changed_vllm_wrap_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``install_meters`` is all or nothing: one changed symbol (here the
+    last) and no collective or attention function is wrapped."""
+    import importlib
+
+    from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, UpstreamSymbol
+    from vllm_dcp_geometry.tooling.cli.ranks import measuring
+
+    def metered() -> list[object]:
+        found = []
+        for symbol in measuring.METERED:
+            owner: object = importlib.import_module(symbol.module)
+            *path, name = symbol.qualname.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            found.append(vars(owner)[name])
+        return found
+
+    before = metered()
+    changed = UpstreamSymbol(measuring.TRITON_MLA, "TritonMLAImpl.forward_mqa", "q")
+    monkeypatch.setattr(measuring, "METERED", (*measuring.METERED, changed))
+    with pytest.raises(UpstreamChangedError, match=r"TritonMLAImpl\.forward_mqa"):
+        measuring.install_meters.__wrapped__()
+    monkeypatch.undo()
+    assert all(a is b for a, b in zip(metered(), before, strict=True))
+
+
+def test_the_ranks_make_replica_groups_as_vllm_serve_workers_do(
+    tmp_path: Path,
+) -> None:
+    """A worker calls the start-up function itself
+    (``replica_groups.make_replica_groups``, what the ``Worker.init_device``
+    patch calls), on the config a ``vllm serve`` worker of the plan holds:
+    the plan's partial K only, and none with ``--partial-collectives dcp``."""
+    from vllm_dcp_geometry.runtime import replica_groups
+    from vllm_dcp_geometry.tooling.cli.ranks import vllm_setup, worker
+
+    assert worker.make_replica_groups is replica_groups.make_replica_groups
+    shape = Shape()
+    path = vllm_setup.model_dir(4, shape)
+    groups = [{"index": i, "shard_count": k} for i, k in enumerate((4, 2, 1))]
+    for where, counts in (("replica", (2,)), ("dcp", ())):
+        plan = {"world": 4, "partial_collectives": where, "groups": groups}
+        config = vllm_setup.serving_config(plan, shape, path, "cpu")
+        assert replica_groups.replica_shard_counts(config) == counts
 
 
 # Bad input ------------------------------------------------------------------------

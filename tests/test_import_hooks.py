@@ -181,9 +181,9 @@ def test_a_hook_on_a_module_this_thread_is_importing_is_refused(
 # register() against real vLLM, in fresh interpreters ------------------------------
 
 REGISTER_SCRIPT = """
-import importlib, json
+import dataclasses, importlib, json
 import vllm_dcp_geometry.plugin as plugin
-from vllm_dcp_geometry.runtime.patching import ORIGINAL_ATTR, UpstreamSymbol
+from vllm_dcp_geometry.runtime.patching import ORIGINAL_ATTR, Pin
 utils_patch = importlib.import_module(
     "vllm_dcp_geometry.patches.engine_core.kv_cache_utils")
 
@@ -203,8 +203,8 @@ def test_a_drifted_module_imported_after_register_stays_refused() -> None:
     result = run_python(
         REGISTER_SCRIPT
         + """
-utils_patch.PATCHED_SYMBOLS += (
-    UpstreamSymbol(utils_patch.UPSTREAM_MODULE, "renamed_upstream"),)
+utils_patch.PATCH = dataclasses.replace(utils_patch.PATCH,
+    relies_on=utils_patch.PATCH.relies_on + (Pin("renamed_upstream"),))
 plugin.register()
 first = attempt(lambda: importlib.import_module("vllm.v1.core.kv_cache_utils"))
 again = attempt(lambda: importlib.import_module("vllm.v1.core.kv_cache_utils"))
@@ -228,8 +228,8 @@ def test_register_verifies_every_imported_module_before_applying_any() -> None:
         + """
 import vllm.v1.kv_cache_interface as k
 import vllm.v1.core.kv_cache_utils
-utils_patch.PATCHED_SYMBOLS += (
-    UpstreamSymbol(utils_patch.UPSTREAM_MODULE, "renamed_upstream"),)
+utils_patch.PATCH = dataclasses.replace(utils_patch.PATCH,
+    relies_on=utils_patch.PATCH.relies_on + (Pin("renamed_upstream"),))
 outcomes = [attempt(plugin.register), attempt(plugin.register)]
 print(json.dumps({"outcomes": outcomes,
                   "spec_patched": patched(k.AttentionSpec, "max_num_blocks_per_req"),
@@ -250,11 +250,9 @@ def test_register_undoes_what_it_applied_when_a_patch_fails() -> None:
         + """
 import vllm.v1.kv_cache_interface as k
 import vllm.v1.core.kv_cache_utils as u
-apply = utils_patch.apply
-def failing_apply(module):
-    apply(module)
+def failing_apply(module):  # runs after the patch's declared wrappers
     raise RuntimeError("a check inside apply failed")
-utils_patch.apply = failing_apply
+utils_patch.PATCH = dataclasses.replace(utils_patch.PATCH, apply=failing_apply)
 outcome = attempt(plugin.register)
 import vllm.v1.core.kv_cache_coordinator as coordinator
 print(json.dumps({

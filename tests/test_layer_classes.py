@@ -142,7 +142,7 @@ def test_audited_dispositions_say_what_happens() -> None:
 
 
 def _admit(layer_class: str | None, k: int, *, mla: bool, backend: str, **kw: Any):
-    from vllm_dcp_geometry.contract.attention_admission import AttentionKind
+    from vllm_dcp_geometry.contract.attention_backends import AttentionKind
 
     return admit_attention(
         owner="g",

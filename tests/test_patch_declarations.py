@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Each patch module's declaration is what it does: after ``register()`` the
-symbols it wrapped in its upstream module are exactly its ``REPLACES``, the
-attributes it defined exactly its ``ADDS``, nothing it only ``RELIES_ON`` was
-touched, and its ``REMOVE_WITH`` partners name it back. A walk over every
+"""Each patch module's declaration (``PATCH``) is what it does: after
+``register()`` the symbols it wrapped in its upstream module are exactly its
+``replaces``, the attributes it defined exactly its ``adds``, nothing it only
+``relies_on`` was touched, and its ``remove_with`` partners name it back. A walk over every
 patched upstream module finds no wrapper the ledger does not account for.
 Each check is shown to catch a deliberately wrong declaration."""
 
@@ -17,18 +17,20 @@ from typing import Any
 
 import pytest
 
-from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.patches import PATCH_MODULES, declarations
 from vllm_dcp_geometry.runtime import patching
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 pytestmark = pytest.mark.patches(
     "worker.gpu_model_runner", "worker.gpu_model_runner_v2"
 )
 
 PREFIX = "vllm_dcp_geometry.patches."
+RUNTIME = "vllm_dcp_geometry.runtime"
 
 
-def _patches() -> list[Any]:
-    return [importlib.import_module(name) for name in PATCH_MODULES]
+def _patches() -> list[Patch]:
+    return list(declarations().values())
 
 
 def _relative(owner: str, name: str, module: str) -> str | None:
@@ -41,39 +43,35 @@ def _relative(owner: str, name: str, module: str) -> str | None:
 
 
 def declaration_mismatches(
-    patch: Any, changes: tuple[patching.Change, ...]
+    patch: Patch, changes: tuple[patching.Change, ...]
 ) -> list[str]:
     """How ``patch``'s declaration differs from the ``changes`` it made."""
-    module = patch.UPSTREAM_MODULE
+    module = patch.upstream_module
     done: dict[str, set[str]] = {"wrap": set(), "add": set()}
     for change in changes:
         where = _relative(change.owner, change.name, module)
         if where is not None and change.kind in done:
             done[change.kind].add(where)
-    declared = {s.qualname for s in patch.REPLACES}
-    relied = {s.qualname for s in patch.RELIES_ON}
+    declared = {entry.qualname for entry in patch.replaces}
+    relied = {entry.qualname for entry in patch.relies_on}
+    added = set(patch.adds)
     problems = [
-        f"wrapped, not in REPLACES: {q}" for q in sorted(done["wrap"] - declared)
+        f"wrapped, not in replaces: {q}" for q in sorted(done["wrap"] - declared)
     ]
     problems += [
-        f"in REPLACES, not wrapped: {q}" for q in sorted(declared - done["wrap"])
+        f"in replaces, not wrapped: {q}" for q in sorted(declared - done["wrap"])
     ]
-    problems += [
-        f"added, not in ADDS: {q}" for q in sorted(done["add"] - set(patch.ADDS))
-    ]
-    problems += [
-        f"in ADDS, not added: {q}" for q in sorted(set(patch.ADDS) - done["add"])
-    ]
-    problems += [f"relied on and replaced: {q}" for q in sorted(relied & declared)]
-    if tuple(patch.PATCHED_SYMBOLS) != tuple(patch.REPLACES) + tuple(patch.RELIES_ON):
-        problems.append("PATCHED_SYMBOLS is not REPLACES + RELIES_ON")
+    problems += [f"added, not in adds: {q}" for q in sorted(done["add"] - added)]
+    problems += [f"in adds, not added: {q}" for q in sorted(added - done["add"])]
+    touched = done["wrap"] | done["add"]
+    problems += [f"relied on and changed: {q}" for q in sorted(relied & touched)]
     return problems
 
 
 @pytest.mark.parametrize("name", PATCH_MODULES)
 def test_a_patch_replaces_exactly_what_it_declares(name: str) -> None:
-    patch = importlib.import_module(name)
-    importlib.import_module(patch.UPSTREAM_MODULE)  # applies the patch
+    patch = declarations([name])[name]
+    importlib.import_module(patch.upstream_module)  # applies the patch
     assert name in _applied(), name
     assert declaration_mismatches(patch, patching.changes_made_by(name)) == []
 
@@ -85,13 +83,12 @@ def _applied() -> dict[str, str]:
 
 
 def test_partners_are_declared_both_ways() -> None:
-    names = {name.removeprefix(PREFIX) for name in PATCH_MODULES}
-    for patch in _patches():
-        own = patch.__name__.removeprefix(PREFIX)
-        for partner in patch.REMOVE_WITH:
-            assert partner in names, (own, partner)
-            other = importlib.import_module(PREFIX + partner)
-            assert own in other.REMOVE_WITH, (own, partner)
+    declared = declarations()
+    for name, patch in declared.items():
+        own = name.removeprefix(PREFIX)
+        for partner in patch.remove_with:
+            assert PREFIX + partner in declared, (own, partner)
+            assert own in declared[PREFIX + partner].remove_with, (own, partner)
 
 
 def _wrappers_in(module: types.ModuleType) -> set[str]:
@@ -99,7 +96,7 @@ def _wrappers_in(module: types.ModuleType) -> set[str]:
 
     def scan(namespace: dict[str, Any], prefix: str) -> None:
         for attr, value in list(namespace.items()):
-            if hasattr(patching._callable_of(value), patching.ORIGINAL_ATTR):
+            if hasattr(patching.callable_of(value), patching.ORIGINAL_ATTR):
                 found.add(prefix + attr)
 
     scan(vars(module), "")
@@ -121,12 +118,12 @@ def test_every_wrapper_in_a_patched_module_is_in_a_ledger() -> None:
     accounted_objects = {
         id(vars(module)[attr])
         for patch in _patches()
-        for module in [importlib.import_module(patch.UPSTREAM_MODULE)]
+        for module in [importlib.import_module(patch.upstream_module)]
         for attr in accounted.get(module.__name__, set())
         if attr in vars(module)
     }
     for patch in _patches():
-        module = importlib.import_module(patch.UPSTREAM_MODULE)
+        module = importlib.import_module(patch.upstream_module)
         for qualname in sorted(_wrappers_in(module)):
             owner, _, attr = f"{module.__name__}.{qualname}".rpartition(".")
             copy = "." not in qualname and id(vars(module)[attr]) in accounted_objects
@@ -145,27 +142,26 @@ def test_the_check_catches_a_wrong_declaration() -> None:
 
     with patching.applying("fake_patch"):
         apply(upstream)
-    symbol = patching.UpstreamSymbol
-    wrong = types.SimpleNamespace(
-        UPSTREAM_MODULE="fake_upstream",
-        REPLACES=(symbol("fake_upstream", "g"),),
-        RELIES_ON=(symbol("fake_upstream", "g"),),
-        ADDS=(),
-        PATCHED_SYMBOLS=(),
+    says = {"why": "-", "remove_when": "-", "related": "-"}
+    wrong = Patch(
+        upstream_module="fake_upstream",
+        replaces=(Wrap("g"),),
+        relies_on=(Pin("f"), Pin("h")),
+        **says,
     )
     assert declaration_mismatches(wrong, patching.changes_made_by("fake_patch")) == [
-        "wrapped, not in REPLACES: f",
-        "in REPLACES, not wrapped: g",
-        "added, not in ADDS: h",
-        "relied on and replaced: g",
-        "PATCHED_SYMBOLS is not REPLACES + RELIES_ON",
+        "wrapped, not in replaces: f",
+        "in replaces, not wrapped: g",
+        "added, not in adds: h",
+        "relied on and changed: f",
+        "relied on and changed: h",
     ]
-    right = types.SimpleNamespace(
-        UPSTREAM_MODULE="fake_upstream",
-        REPLACES=(symbol("fake_upstream", "f"),),
-        RELIES_ON=(symbol("fake_upstream", "g"),),
-        ADDS=("h",),
-        PATCHED_SYMBOLS=(symbol("fake_upstream", "f"), symbol("fake_upstream", "g")),
+    right = Patch(
+        upstream_module="fake_upstream",
+        replaces=(Wrap("f"),),
+        relies_on=(Pin("g"),),
+        adds=("h",),
+        **says,
     )
     assert declaration_mismatches(right, patching.changes_made_by("fake_patch")) == []
     assert _wrappers_in(upstream) == {"f"}
@@ -180,10 +176,8 @@ def test_admission_refuses_a_taught_backend_whose_patch_is_missing(
     D-wide builder read it."""
     from vllm_dcp_geometry import plugin
     from vllm_dcp_geometry.contract import GroupGeometry
-    from vllm_dcp_geometry.contract.attention_admission import (
-        AttentionKind,
-        AttentionMode,
-    )
+    from vllm_dcp_geometry.contract.attention_admission import AttentionMode
+    from vllm_dcp_geometry.contract.attention_backends import AttentionKind
     from vllm_dcp_geometry.runtime import worker_admission
 
     config = types.SimpleNamespace(
@@ -249,7 +243,7 @@ def channel_problems(channels: Any) -> list[str]:
             via = set()
             for path in channel.via:
                 module_name, _, function = path.rpartition(".")
-                shared = importlib.import_module(f"vllm_dcp_geometry.{module_name}")
+                shared = importlib.import_module(f"{RUNTIME}.{module_name}")
                 if fn in inspect.getsource(getattr(shared, function)):
                     via.add(function)
             for name in patches:
@@ -259,7 +253,7 @@ def channel_problems(channels: Any) -> list[str]:
                     problems.append(f"{channel.setter}: {role} {name} never uses {fn}")
         for path in channel.via:
             module_name, _, function = path.rpartition(".")
-            shared = importlib.import_module(f"vllm_dcp_geometry.{module_name}")
+            shared = importlib.import_module(f"{RUNTIME}.{module_name}")
             source = inspect.getsource(getattr(shared, function))
             if channel.setter not in source and channel.getter not in source:
                 problems.append(
@@ -268,7 +262,7 @@ def channel_problems(channels: Any) -> list[str]:
                 )
         for writer in channel.writers:
             for reader in set(channel.readers) - set(channel.writers):
-                partners = importlib.import_module(PREFIX + writer).REMOVE_WITH
+                partners = declarations()[PREFIX + writer].remove_with
                 if reader not in partners:
                     problems.append(
                         f"{channel.setter}: {writer} is not removed with {reader}"
@@ -331,9 +325,10 @@ def test_a_runner_without_its_block_table_partner_refuses_naming_it() -> None:
 
 def removal_groups() -> list[tuple[str, ...]]:
     """The patch modules that go together: the connected parts of the
-    ``REMOVE_WITH`` graph (a patch with no partner is a group of one)."""
+    ``remove_with`` graph (a patch with no partner is a group of one)."""
     partners = {
-        patch.__name__: {PREFIX + p for p in patch.REMOVE_WITH} for patch in _patches()
+        name: {PREFIX + p for p in patch.remove_with}
+        for name, patch in declarations().items()
     }
     groups, seen = [], set()
     for name in PATCH_MODULES:
@@ -359,7 +354,7 @@ removed = set(json.loads(sys.argv[1]))
 plugin.PATCH_MODULES = tuple(m for m in patches.PATCH_MODULES if m not in removed)
 plugin.register()
 for name in plugin.PATCH_MODULES:
-    importlib.import_module(importlib.import_module(name).UPSTREAM_MODULE)
+    importlib.import_module(importlib.import_module(name).PATCH.upstream_module)
 print(json.dumps(sorted(plugin.applied_patches())))
 """
 
@@ -385,6 +380,7 @@ def test_the_rest_applies_without_each_removal_group() -> None:
                 "worker.kimi_k3_mla",
                 "worker.mla_attention",
                 "worker.mla_dcp_manager",
+                "worker.parallel_state",
                 "worker.sparse_mla_attention",
             )
         )
@@ -394,8 +390,8 @@ def test_the_rest_applies_without_each_removal_group() -> None:
         PREFIX + "worker.sparse_attn_indexer",
     )
     assert mla in groups and indexer in groups
-    # The two runner pairs, the MLA six and the indexer pair; the rest alone.
-    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 5 - 1
+    # The two runner pairs, the MLA seven and the indexer pair; the rest alone.
+    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 6 - 1
     for group in groups:
         result = run_fresh_python(
             ["-c", CPU_PRELUDE + WITHOUT_A_GROUP, json.dumps(group)],
@@ -414,14 +410,14 @@ def test_the_channel_check_catches_a_shared_writer_that_does_not_write() -> None
     wrong_via = SideChannel(
         builders.setter,
         builders.getter,
-        ("worker.flash_attn",),
-        ("worker.flash_attn",),
+        ("worker.flashinfer",),
+        ("worker.flashinfer",),
         "",
         "",
         via=("metadata_builders.bound_partial_geometry",),
     )
     assert channel_problems((wrong_via,)) == [
-        "use_group_geometry: writer worker.flash_attn never uses use_group_geometry",
+        "use_group_geometry: writer worker.flashinfer never uses use_group_geometry",
         "use_group_geometry: metadata_builders.bound_partial_geometry uses neither "
         "use_group_geometry nor current_group_geometry",
     ]
@@ -438,10 +434,7 @@ def test_a_wrapper_relying_on_a_global_call_refuses_when_it_is_gone() -> None:
     longer does is refused loudly, not left calling the unwrapped one."""
     import functools
 
-    from vllm_dcp_geometry.runtime.patching import (
-        UpstreamChangedError,
-        require_global_call,
-    )
+    from vllm_dcp_geometry.runtime.upstream_symbols import require_global_call
 
     module = types.ModuleType("fake_indexer")
     exec(
@@ -453,5 +446,5 @@ def test_a_wrapper_relying_on_a_global_call_refuses_when_it_is_gone() -> None:
     module.decorated = functools.wraps(module.caller)(lambda: module.caller())  # type: ignore[attr-defined]
     require_global_call(module, "caller", "merge")
     require_global_call(module, "decorated", "merge")
-    with pytest.raises(UpstreamChangedError, match="no longer calls merge"):
+    with pytest.raises(patching.UpstreamChangedError, match="no longer calls merge"):
         require_global_call(module, "inlined", "merge")

@@ -18,19 +18,12 @@ import pytest
 from tests.support.processes import REPO_ROOT, run_python
 from vllm_dcp_geometry import plugin
 from vllm_dcp_geometry._version import pinned_vllm_version
-from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.patches import PATCH_MODULES, declarations
 from vllm_dcp_geometry.runtime import patching
 from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, UpstreamSymbol
-from vllm_dcp_geometry.tooling.docs.patch_table import patch_table_markdown
+from vllm_dcp_geometry.tooling.docs.patch_table import RUNS_IN, patch_table_markdown
 
 pytestmark = pytest.mark.patches("common.kv_cache_interface")
-
-RUNS_IN_FOLDERS = {
-    "all": "common",
-    "engine_core": "engine_core",
-    "worker": "worker",
-    "benchmark": "benchmarks",
-}
 
 
 def test_import_in_a_bare_interpreter_does_not_import_vllm() -> None:
@@ -151,8 +144,8 @@ def import_every_patched_module() -> dict[str, str]:
     """Register, import every vLLM module a patch targets, and return the
     patches applied (all of them)."""
     plugin.register()
-    for patch in patch_modules():
-        importlib.import_module(patch.UPSTREAM_MODULE)
+    for patch in declarations().values():
+        importlib.import_module(patch.upstream_module)
     return plugin.applied_patches()
 
 
@@ -194,57 +187,49 @@ print(json.dumps([imported, hasattr(k, "get_kv_cache_dcp_shard_count")]))
 # The patch table ----------------------------------------------------------------
 
 
-def patch_modules() -> list:
-    return [importlib.import_module(name) for name in PATCH_MODULES]
-
-
-def test_readme_patch_table_is_current() -> None:
-    """README.md carries the generated table; regenerate it with
-    ``python -m vllm_dcp_geometry.tooling.docs``."""
-    readme = (Path(REPO_ROOT) / "README.md").read_text()
+def test_patch_table_page_is_current() -> None:
+    """docs/patches.md carries the generated table; regenerate it with
+    ``python tools/update_docs.py``."""
+    page = (Path(REPO_ROOT) / "docs" / "patches.md").read_text()
     start, end = "<!-- patch-table:start -->\n", "\n<!-- patch-table:end -->"
-    assert start in readme and end in readme
-    table = readme.split(start, 1)[1].split(end, 1)[0]
+    assert start in page and end in page
+    table = page.split(start, 1)[1].split(end, 1)[0]
     assert table == patch_table_markdown()
 
 
 def test_every_patch_module_documents_itself() -> None:
-    for patch in patch_modules():
-        doc = patch.__doc__ or ""
-        assert patch.UPSTREAM_MODULE in doc or patch.UPSTREAM_MODULE.split(".")[-1] in (
-            doc
-        ), patch.__name__
-        assert "Why:" in doc and "Remove when:" in doc, patch.__name__
-        assert patch.WHY and patch.REMOVE_WHEN and patch.RELATED
-        assert "~" not in doc, f"{patch.__name__}: name symbols, not line numbers"
-        assert patch.PATCHED_SYMBOLS, patch.__name__
-        folder = patch.__name__.split(".")[-2]
-        assert folder == RUNS_IN_FOLDERS[patch.RUNS_IN], patch.__name__
-        for symbol in patch.PATCHED_SYMBOLS:
-            assert symbol.module == patch.UPSTREAM_MODULE, symbol
+    for name, patch in declarations().items():
+        doc = importlib.import_module(name).__doc__ or ""
+        upstream = patch.upstream_module
+        assert upstream in doc or upstream.split(".")[-1] in doc, name
+        assert "Why:" in doc and "Remove when:" in doc, name
+        assert patch.why and patch.remove_when and patch.related, name
+        assert "~" not in doc, f"{name}: name symbols, not line numbers"
+        assert patch.patched_symbols, name
+        # The folder says which process runs the patched code.
+        assert name.split(".")[-2] in RUNS_IN, name
 
 
 def test_one_patch_module_per_upstream_symbol() -> None:
     owners: dict[str, str] = {}
-    for patch in patch_modules():
-        for symbol in patch.PATCHED_SYMBOLS:
+    for name, patch in declarations().items():
+        for symbol in patch.patched_symbols:
             key = str(symbol)
             assert key not in owners, f"{key} patched by {owners.get(key)} too"
-            owners[key] = patch.__name__
+            owners[key] = name
 
 
 def test_every_patched_symbol_matches_unpatched_vllm() -> None:
     """Fails loudly if an upstream symbol moved or changed its parameters."""
     result = run_python(
         """
-import importlib, json
+import json
 from vllm_dcp_geometry.runtime.patching import verify_symbol
-from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.patches import declarations
 from vllm_dcp_geometry.tooling.docs.patch_table import patch_table_markdown
 problems, checked = [], 0
-for name in PATCH_MODULES:
-    patch = importlib.import_module(name)
-    for symbol in patch.PATCHED_SYMBOLS:
+for patch in declarations().values():
+    for symbol in patch.patched_symbols:
         try:
             verify_symbol(symbol)
             checked += 1
@@ -255,7 +240,9 @@ print(json.dumps({"checked": checked, "problems": problems}))
         patched=False,
     )
     assert result["problems"] == []
-    assert result["checked"] == sum(len(p.PATCHED_SYMBOLS) for p in patch_modules())
+    assert result["checked"] == sum(
+        len(p.patched_symbols) for p in declarations().values()
+    )
 
 
 def test_moved_or_changed_symbols_raise() -> None:
@@ -274,12 +261,12 @@ def test_moved_or_changed_symbols_raise() -> None:
 def test_a_changed_symbol_stops_registration() -> None:
     result = run_python(
         """
-import json
+import dataclasses, json
 import vllm_dcp_geometry.plugin as plugin
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol
+from vllm_dcp_geometry.runtime.patching import Pin
 from vllm_dcp_geometry.patches.common import kv_cache_interface as patch
-patch.PATCHED_SYMBOLS = patch.PATCHED_SYMBOLS + (
-    UpstreamSymbol(patch.UPSTREAM_MODULE, "AttentionSpec.renamed_upstream"),)
+patch.PATCH = dataclasses.replace(patch.PATCH, relies_on=patch.PATCH.relies_on + (
+    Pin("AttentionSpec.renamed_upstream"),))
 try:
     plugin.register()
     import vllm.v1.kv_cache_interface

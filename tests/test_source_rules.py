@@ -94,11 +94,15 @@ def test_the_package_and_cpu_switch_rules_fail(tmp_path: Path, monkeypatch) -> N
     problems = check.import_problems(where)
     assert any("module-level import of torch" in p for p in problems)
     assert any("TRITON_INTERPRET is a test-only switch" in p for p in problems)
-    # Only the ranks command's CPU-worker module may name them.
+    # Only the tooling's CPU stand-ins (the CPU workers' switches) may name them.
     exempt = check.CPU_WORKER_SWITCHES
     exempt.parent.mkdir(parents=True)
     exempt.write_text(HEADER + "INTERPRETER = 'TRITON_INTERPRET'\n")
     assert not check.import_problems(exempt)
+    beside = Path("vllm_dcp_geometry/tooling/cli/ranks/cpu.py")
+    beside.parent.mkdir(parents=True)
+    beside.write_text(HEADER + "INTERPRETER = 'TRITON_INTERPRET'\n")
+    assert any("test-only switch" in p for p in check.import_problems(beside))
     unlicensed = Path("vllm_dcp_geometry/unlicensed.py")
     unlicensed.write_text("x = 1\n")
     assert check.spdx_problems(unlicensed)

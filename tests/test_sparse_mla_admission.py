@@ -17,10 +17,10 @@ import pytest
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.contract.attention_admission import (
-    AttentionKind,
     AttentionMode,
     admit_attention,
 )
+from vllm_dcp_geometry.contract.attention_backends import AttentionKind
 from vllm_dcp_geometry.contract.layer_classes import (
     DEEPSEEK_V32_ATTENTION,
     DEEPSEEK_V32_INDEXER_CACHE,

@@ -13,7 +13,8 @@ imports: forbidden imports and settings in the package.
 - Library code never imports the test suite, and never sets the CPU-testing
   switches (TRITON_INTERPRET, CUDA_VISIBLE_DEVICES, PIN_MEMORY): those belong
   in tests/conftest.py. One module is exempt, ``CPU_WORKER_SWITCHES``: the
-  environment ``ranks`` gives the CPU worker processes it spawns.
+  tooling's CPU stand-ins, with the environment ``ranks`` gives the CPU
+  worker processes it spawns.
 - Patch modules are removable one at a time: nothing in the package or the
   benchmarks imports a module under ``vllm_dcp_geometry.patches`` (at any
   level, by statement or by ``importlib``), except the registry
@@ -59,12 +60,13 @@ REGISTRY = (
     Path("vllm_dcp_geometry/patches/__init__.py"),
     Path("vllm_dcp_geometry/plugin.py"),
 )
-REGISTRY_NAMES = {"PATCH_MODULES", "PATCH_PACKAGE"}
+REGISTRY_NAMES = {"PATCH_MODULES", "PATCH_PACKAGE", "declarations"}
 TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
-CPU_WORKER_SWITCHES = Path("vllm_dcp_geometry/tooling/cli/ranks/cpu.py")
-"""The one library module that may name the switches: what ``ranks`` puts in
-the environment of the worker processes it spawns on a machine with no GPU
-(never in its own process, never at import time)."""
+CPU_WORKER_SWITCHES = Path("vllm_dcp_geometry/tooling/cpu_stand_ins.py")
+"""The one library module that may name the switches: the tooling's CPU
+stand-ins, with what ``ranks`` puts in the environment of the worker processes
+it spawns on a machine with no GPU (never in its own process, never at import
+time)."""
 
 
 def _top_level_imports(tree: ast.Module) -> list[tuple[int, str]]:

@@ -15,14 +15,13 @@ whose module is imported later fails that import, and every later one
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import os
 import threading
 from types import ModuleType
 
 from vllm_dcp_geometry._version import installed_vllm_version, pinned_vllm_version
-from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.patches import PATCH_MODULES, declarations
 from vllm_dcp_geometry.runtime import import_hooks, patching
 
 logger = logging.getLogger("vllm_dcp_geometry")
@@ -65,16 +64,10 @@ def check_vllm_version() -> str:
     )
 
 
-def _verify_patch_module(patch: patching.PatchModule, upstream: ModuleType) -> None:
-    for symbol in patch.PATCHED_SYMBOLS:
-        patching.verify_symbol(symbol, upstream)
-
-
-def _apply_patch_module(patch: patching.PatchModule, upstream: ModuleType) -> None:
-    _verify_patch_module(patch, upstream)
-    with patching.applying(patch.__name__):  # type: ignore[attr-defined]
-        patch.apply(upstream)
-        patching.record_applied(patch.__name__, upstream.__name__)  # type: ignore[attr-defined]
+def _apply_patch(name: str, patch: patching.Patch, upstream: ModuleType) -> None:
+    with patching.applying(name):
+        patch.install(upstream)
+        patching.record_applied(name, upstream.__name__)
     logger.debug("vllm-dcp-geometry patched %s", upstream.__name__)
 
 
@@ -90,31 +83,28 @@ def register() -> None:
         if _installed:
             return
         check_vllm_version()
-        patches: list[patching.PatchModule] = [
-            importlib.import_module(name)  # type: ignore[misc]
-            for name in PATCH_MODULES
-        ]
-        for patch in patches:
-            upstream = import_hooks.loaded_module(patch.UPSTREAM_MODULE)
+        patches = declarations(PATCH_MODULES)
+        for patch in patches.values():
+            upstream = import_hooks.loaded_module(patch.upstream_module)
             if upstream is not None:
-                _verify_patch_module(patch, upstream)
+                patch.verify(upstream)
         _install_hooks(patches)
         _installed = True
 
 
-def _install_hooks(patches: list[patching.PatchModule]) -> None:
+def _install_hooks(patches: dict[str, patching.Patch]) -> None:
     installed: list[tuple[str, import_hooks.Callback]] = []
     try:
         with patching.undo_on_error():
-            for patch in patches:
+            for name, patch in patches.items():
                 callback: import_hooks.Callback = functools.partial(
-                    _apply_patch_module, patch
+                    _apply_patch, name, patch
                 )
-                installed.append((patch.UPSTREAM_MODULE, callback))
-                import_hooks.when_imported(patch.UPSTREAM_MODULE, callback)
+                installed.append((patch.upstream_module, callback))
+                import_hooks.when_imported(patch.upstream_module, callback)
     except BaseException:
-        for name, callback in installed:
-            import_hooks.forget(name, callback)
+        for module, callback in installed:
+            import_hooks.forget(module, callback)
         raise
 
 

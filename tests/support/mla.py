@@ -30,8 +30,8 @@ import torch
 
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
+from vllm_dcp_geometry.tooling.cpu_stand_ins import STAND_IN_OPS
 from vllm_dcp_geometry.tooling.mla_rank_run import (
-    STAND_IN_OPS,
     build_mla_layer,
     max_error,
     mla_reference,
@@ -39,7 +39,7 @@ from vllm_dcp_geometry.tooling.mla_rank_run import (
 )
 
 # Re-exported: the stand-ins, by name, for the tests and ``cpu_stand_ins``.
-from vllm_dcp_geometry.tooling.mla_rank_run import (  # isort: skip
+from vllm_dcp_geometry.tooling.cpu_stand_ins import (  # isort: skip
     concat_and_cache_mla as concat_and_cache_mla,
     cp_gather_cache as cp_gather_cache,
     gather_and_maybe_dequant_cache as gather_and_maybe_dequant_cache,
@@ -257,7 +257,7 @@ def all_gather_into_tensor(out: Any, local: Any, group: Any = None, **_: Any) ->
 
 
 # Stand-ins for vllm._C cache ops (see test_mla_stand_ins): the library's
-# (``vllm_dcp_geometry.tooling.mla_rank_run``), which ``vllm-dcp-geometry ranks`` uses too.
+# (``vllm_dcp_geometry.tooling.cpu_stand_ins``), which ``vllm-dcp-geometry ranks`` uses too.
 
 
 # CPU set-up ----------------------------------------------------------------------
@@ -304,10 +304,13 @@ def cpu_shims() -> Iterator[None]:
     memory in the MLA builder, and the ``constexprs`` attribute vLLM's kernel
     launcher reads from Triton's interpreter (see ``tests.support.attention``)."""
     from triton.runtime import interpreter
-    from vllm.model_executor.layers.attention import mla_attention
     from vllm.platforms import current_platform
 
     from tests.support.attention import _interpreted_constexprs
+    from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+        MLA_ATTENTION_MODULE,
+        disable_pinned_memory,
+    )
 
     def compute_units(*_: Any) -> int:
         return 4
@@ -318,16 +321,17 @@ def cpu_shims() -> Iterator[None]:
     )
     if shim is not None:
         function.constexprs = shim  # type: ignore[attr-defined]
+    restore_pinned_memory = disable_pinned_memory((MLA_ATTENTION_MODULE,))
     try:
         with (
             replaced(current_platform, "device_type", "cpu"),
             replaced(current_platform, "num_compute_units", compute_units),
-            replaced(mla_attention, "PIN_MEMORY", False),
             cpu_stand_ins(),
             simulated_collectives(),
         ):
             yield
     finally:
+        restore_pinned_memory()
         if shim is not None:
             del function.constexprs  # type: ignore[attr-defined]
 

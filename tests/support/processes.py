@@ -24,9 +24,8 @@ CPU_PRELUDE = """
 import os
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["TRITON_INTERPRET"] = "1"
-import vllm.utils.torch_utils, vllm.v1.utils
-vllm.v1.utils.PIN_MEMORY = False
-vllm.utils.torch_utils.PIN_MEMORY = False
+from vllm_dcp_geometry.tooling import cpu_stand_ins
+cpu_stand_ins.disable_pinned_memory(cpu_stand_ins.HOST_BUFFER_MODULES)
 """
 
 REGISTER = """

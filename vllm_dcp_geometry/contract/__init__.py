@@ -4,7 +4,8 @@
 
 ``rules`` holds the token-position rules (shard counts, widths, local
 lengths, the reference slot mapping) that ``docs/contract.md`` writes out;
-``attention_admission`` how a group's attention may run them,
+``attention_admission`` how a group's attention may run them (from the
+backends the plugin taught, ``attention_backends``),
 ``collectives`` which ranks its collectives span and what they move, and
 ``layer_classes`` the attention layer classes the plugin was taught. The
 runtime inside vLLM and the tooling beside it both read these; nothing here

@@ -4,8 +4,8 @@
 
 ``admit_attention`` decides, from a group's kind, its shard count K, the DCP
 world size D, the K vLLM 0.33.0 itself would read the cache with, the layer
-class (``layer_classes``), the attention backend and the DCP modes that
-matter, one of:
+class (``layer_classes``), the attention backend (``attention_backends``) and
+the DCP modes that matter, one of:
 
 - ``local``: K = 1 (or D = 1). Every rank holds every position; attention is
   plain single-device attention: no query all-gather, no LSE combine.
@@ -13,8 +13,8 @@ matter, one of:
 - ``dcp-partial``: 1 < K < D. The backend reads the rank's shard ``r % K``
   with the group's local lengths and combines exactly: a dense MLA backend
   within the rank's K-rank replica group (rule A6,
-  ``collectives_within_replica``), the others over the D-wide DCP group with
-  duplicate replicas weighing 0.
+  ``attention_backends.collectives_within_replica``), the others over the
+  D-wide DCP group with duplicate replicas weighing 0.
 - ``refused``: the layer class or the backend cannot honour K; ``reason`` is
   the one-line start-up error naming the group, layer, layer class, backend,
   K and D.
@@ -31,9 +31,19 @@ import enum
 from dataclasses import dataclass
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
+from vllm_dcp_geometry.contract.attention_backends import (
+    ATTENTION_FEATURES,
+    DCP_DROPPED_FEATURES,
+    INTERLEAVE_ONE_ONLY_BACKENDS,
+    TAUGHT_BACKENDS,
+    AttentionKind,
+    backend_is_taught,
+    backend_layer_classes,
+    is_sparse_backend_name,
+    local_only_builder,
+    vllm_shard_count,
+)
 from vllm_dcp_geometry.contract.layer_classes import (
-    DEEPSEEK_V32_ATTENTION,
-    DEEPSEEK_V32_INDEXER_CACHE,
     GENERIC_LAYERS,
     SPECIALIZED_DECODE_LAYERS,
     TAUGHT_LAYERS,
@@ -47,193 +57,6 @@ class AttentionMode(str, enum.Enum):
     DCP_PARTIAL = "dcp-partial"
     REFUSED = "refused"
     NONE = "none"
-
-
-class AttentionKind(str, enum.Enum):
-    """What a group's spec asks of attention."""
-
-    ATTENTION = "attention"
-    """Token-slot attention whose builder (FlashAttention, FlashInfer) takes
-    the DCP world from the spec's ``dcp_sharded``."""
-
-    MLA = "mla"
-    """Multi-head latent attention (``MLAAttentionSpec`` and subclasses, the
-    sparse indexer's cache too): vLLM 0.33.0's MLA builders and impls take D
-    from the DCP group, never from the spec, so vLLM reads every MLA cache
-    with K = D whatever ``dcp_sharded`` says."""
-
-    NONE = "none"
-    """No attention reads the cache (recurrent state)."""
-
-
-@dataclass(frozen=True)
-class TaughtBackend:
-    """A backend whose builder (this exact class) the plugin taught a
-    group's K: it runs K = 1 locally and 1 < K < D exactly."""
-
-    kind: AttentionKind
-    builder: str
-    """``module.qualname`` of the builder class the patches act on."""
-    patch: str
-    """The patch module (under ``vllm_dcp_geometry.patches``) that teaches
-    the builder; where it is not applied, start-up refuses the backend's
-    K < D naming it."""
-
-    layers: frozenset[str] | None = None
-    """The layer classes it is taught for (None: every taught class of its
-    kind). The sparse backends' top-k comes from their layer's indexer call,
-    which only the taught DeepSeek-V3.2 layer hands the group's K."""
-
-    @property
-    def replica_collectives(self) -> bool:
-        """Whether a partial group on it runs its collectives within its
-        K-rank replica (rule A6): the dense MLA builders, whose patch binds
-        the replica group; every other backend stays on the D-wide group."""
-        return self.patch == _MLA_PATCH
-
-
-_BACKENDS = "vllm.v1.attention.backends."
-_MLA_PATCH = "worker.mla_attention"
-_SPARSE_PATCH = "worker.sparse_mla_attention"
-_SPARSE_LAYERS = frozenset({DEEPSEEK_V32_ATTENTION})
-
-
-def collectives_within_replica(backend: str | None) -> bool:
-    """Rule A6 for a backend name: its partial groups collective within
-    their replica (``TaughtBackend.replica_collectives``) where the operator
-    keeps the default ``partial_collectives``."""
-    taught = TAUGHT_BACKENDS.get(backend or "")
-    return taught is not None and taught.replica_collectives
-
-
-TAUGHT_BACKENDS: dict[str, TaughtBackend] = {
-    "FLASH_ATTN": TaughtBackend(
-        AttentionKind.ATTENTION,
-        _BACKENDS + "flash_attn.FlashAttentionMetadataBuilder",
-        "worker.flash_attn",
-    ),
-    "FLASHINFER": TaughtBackend(
-        AttentionKind.ATTENTION,
-        _BACKENDS + "flashinfer.FlashInferMetadataBuilder",
-        "worker.flashinfer",
-    ),
-    "FLASHMLA": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.flashmla.FlashMLAMetadataBuilder",
-        _MLA_PATCH,
-    ),
-    "FLASH_ATTN_MLA": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.flashattn_mla.FlashAttnMLAMetadataBuilder",
-        _MLA_PATCH,
-    ),
-    "FLASHINFER_MLA": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.flashinfer_mla.FlashInferMLAMetadataBuilder",
-        _MLA_PATCH,
-    ),
-    "CUTLASS_MLA": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.cutlass_mla.CutlassMLAMetadataBuilder",
-        _MLA_PATCH,
-    ),
-    "TRITON_MLA": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.triton_mla.TritonMLAMetadataBuilder",
-        _MLA_PATCH,
-    ),
-    "FLASHMLA_SPARSE": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.flashmla_sparse.FlashMLASparseMetadataBuilder",
-        "worker.flashmla_sparse",
-        _SPARSE_LAYERS,
-    ),
-    "FLASHINFER_MLA_SPARSE": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS
-        + "mla.flashinfer_mla_sparse.FlashInferMLASparseTRTLLMMetadataBuilder",
-        _SPARSE_PATCH,
-        _SPARSE_LAYERS,
-    ),
-    "FLASH_ATTN_MLA_SPARSE_FA4": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.flashattn_mla_sparse.FlashAttnMLASparseFA4MetadataBuilder",
-        _SPARSE_PATCH,
-        _SPARSE_LAYERS,
-    ),
-    "DEEPSEEK_V32_INDEXER": TaughtBackend(
-        AttentionKind.MLA,
-        _BACKENDS + "mla.indexer.DeepseekV32IndexerMetadataBuilder",
-        "worker.mla_indexer",
-        frozenset({DEEPSEEK_V32_INDEXER_CACHE}),
-    ),
-}
-"""Every backend the plugin taught a group's K, by vLLM backend name. Any
-other backend runs only the K vLLM itself reads the cache with."""
-
-
-def taught_backend_name(builder_path: str) -> str | None:
-    """The taught backend whose builder is exactly ``builder_path``."""
-    for name, taught in TAUGHT_BACKENDS.items():
-        if taught.builder == builder_path:
-            return name
-    return None
-
-
-_DOTS3_SLIDING_BUILDER = (
-    "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder"
-)
-LOCAL_ONLY_BUILDERS: dict[str, TaughtBackend] = {
-    # Dots3 NOTE's sliding-window MLA builder (a TritonMLAMetadataBuilder)
-    # raises for prefills whenever its own DCP world is > 1; built in the
-    # world (1, 0) of a replicated group it is TRITON_MLA's DCP1 builder.
-    _DOTS3_SLIDING_BUILDER: TaughtBackend(
-        AttentionKind.MLA, _DOTS3_SLIDING_BUILDER, _MLA_PATCH
-    ),
-}
-"""Builder classes (subclasses of a taught builder) taught K = 1 only, by
-``module.qualname``; a backend label may name one in parentheses."""
-
-
-def teaching_patch(backend: str) -> str | None:
-    """The patch that teaches ``backend`` (a label) a group's K, if any."""
-    taught = TAUGHT_BACKENDS.get(backend)
-    if taught is not None:
-        return taught.patch
-    local_only = local_only_builder(backend)
-    return None if local_only is None else LOCAL_ONLY_BUILDERS[local_only].patch
-
-
-def local_only_builder(backend: str) -> str | None:
-    """The local-only builder ``backend`` (a label) names, if any."""
-    for path in LOCAL_ONLY_BUILDERS:
-        if backend == path or backend.endswith(f"({path})"):
-            return path
-    return None
-
-
-ATTENTION_FEATURES = {
-    "sinks": "attention sinks (s_aux)",
-    "rswa_mask": "the R-SWA mask_mod",
-    "mm_prefix_mask": "the multimodal-prefix mask_mod",
-}
-"""Attention features a layer may use that a backend's DCP path can drop,
-by the name topologies use (``attention_features``)."""
-
-DCP_DROPPED_FEATURES: dict[str, frozenset[str]] = {
-    # FlashAttentionImpl._forward_with_dcp passes neither s_aux nor mask_mod
-    # to its kernels (it keeps ALiBi, the sliding window and the soft-cap);
-    # K = 1 runs the single-device path, which passes them.
-    "FLASH_ATTN": frozenset(ATTENTION_FEATURES),
-}
-"""Features each backend's DCP attention path (every K > 1, K = D included)
-silently drops. FlashInfer refuses sinks under DCP itself (outside TRTLLM)
-and no other feature here reaches it; vLLM's dense MLA has none of them."""
-
-
-INTERLEAVE_ONE_ONLY_BACKENDS = frozenset({"FLASHINFER_MLA"})
-"""Backends whose builder refuses ``cp_kv_cache_interleave_size != 1``
-whenever DCP is on (it reads the parallel config, not the group)."""
 
 
 @dataclass(frozen=True)
@@ -254,47 +77,8 @@ class AttentionAdmission:
         return self
 
 
-def vllm_shard_count(
-    kind: AttentionKind, dcp_world_size: int, default_shard_count: int
-) -> int:
-    """The K vLLM 0.33.0's own attention code reads a group's cache with."""
-    if kind is AttentionKind.MLA:
-        return dcp_world_size
-    return default_shard_count
-
-
-def is_mla_backend_name(backend: str) -> bool:
-    """vLLM 0.33.0 names every MLA member of ``AttentionBackendEnum`` (dense
-    and sparse) with ``MLA`` in it; the CLI uses this where a backend cannot
-    be imported without a GPU (a test checks it against every importable
-    backend)."""
-    return "MLA" in backend
-
-
-def _taught(kind: AttentionKind, backend: str, k: int) -> bool:
-    taught = TAUGHT_BACKENDS.get(backend)
-    if taught is not None:
-        return taught.kind is kind
-    local_only = local_only_builder(backend)
-    return (
-        local_only is not None
-        and LOCAL_ONLY_BUILDERS[local_only].kind is kind
-        and k == 1
-    )
-
-
-def _backend_layers(backend: str) -> frozenset[str] | None:
-    taught = TAUGHT_BACKENDS.get(backend)
-    return None if taught is None else taught.layers
-
-
 def _refusal(head: str, why: str, remedy: str) -> AttentionAdmission:
     return AttentionAdmission(AttentionMode.REFUSED, f"{head}: {why}; {remedy}")
-
-
-def is_sparse_backend_name(backend: str) -> bool:
-    """Sparse MLA backends and indexer caches (vLLM 0.33.0's names)."""
-    return "SPARSE" in backend or "INDEXER" in backend
 
 
 def _remedy(kind: AttentionKind, backend: str) -> str:
@@ -399,33 +183,74 @@ def admit_attention(
     )
     dropped = sorted(layer_features & DCP_DROPPED_FEATURES.get(backend or "", set()))
     if k > 1 and dropped:
-        return _refusal(
-            head,
-            f"its DCP attention path drops "
-            f"{', '.join(ATTENTION_FEATURES[f] for f in dropped)}, which the layer "
-            "uses: the output would be silently wrong",
-            f"use K=1 ('replicated') for this layer (its single-device {backend} "
-            "path keeps them) or another backend",
-        )
+        return _dropped_features_refusal(head, backend, dropped)
     if k == d:
         if impl_dcp_world_size is not None and impl_dcp_world_size != d:
             return impl_world_refusal(head, impl_dcp_world_size)
         return AttentionAdmission(AttentionMode.DCP)
     if pcp_world_size > 1:
-        # vLLM's PCP attention spans the PCP ranks too; nothing shows it right
-        # for a cache with fewer shards than D, so it is not run.
-        return _refusal(
-            head,
-            f"prefill context parallelism (PCP={pcp_world_size}) runs vLLM's "
-            "own context-parallel attention, which is only known right for K=D",
-            "use K=D ('sharded') or turn PCP off",
-        )
+        return _prefill_context_parallel_refusal(head, pcp_world_size)
     vllm_k = vllm_shard_count(kind, d, default_shard_count)
     if k == vllm_k:
         # The K the layer's own code and its backend read the cache with.
         return AttentionAdmission(AttentionMode.LOCAL)
-    if backend is None or not _taught(kind, backend, k):
+    if backend is None or not backend_is_taught(kind, backend, k):
         return _untaught(head, kind, backend or "(none)", k, vllm_k)
+    refusal = _layer_class_refusal(
+        head, kind, backend, layer_class, k, vllm_k, specialized_decode
+    )
+    if refusal is not None:
+        return refusal
+    return _admit_taught(
+        head,
+        kind,
+        backend,
+        k,
+        interleave_size=interleave_size,
+        dcp_q_replicate=dcp_q_replicate,
+    )
+
+
+def _dropped_features_refusal(
+    head: str, backend: str | None, dropped: list[str]
+) -> AttentionAdmission:
+    """K > 1 on a backend whose DCP path drops features the layer uses."""
+    return _refusal(
+        head,
+        f"its DCP attention path drops "
+        f"{', '.join(ATTENTION_FEATURES[f] for f in dropped)}, which the layer "
+        "uses: the output would be silently wrong",
+        f"use K=1 ('replicated') for this layer (its single-device {backend} "
+        "path keeps them) or another backend",
+    )
+
+
+def _prefill_context_parallel_refusal(
+    head: str, pcp_world_size: int
+) -> AttentionAdmission:
+    """K < D with PCP (rule P1)."""
+    # vLLM's PCP attention spans the PCP ranks too; nothing shows it right
+    # for a cache with fewer shards than D, so it is not run.
+    return _refusal(
+        head,
+        f"prefill context parallelism (PCP={pcp_world_size}) runs vLLM's "
+        "own context-parallel attention, which is only known right for K=D",
+        "use K=D ('sharded') or turn PCP off",
+    )
+
+
+def _layer_class_refusal(
+    head: str,
+    kind: AttentionKind,
+    backend: str,
+    layer_class: str | None,
+    k: int,
+    vllm_k: int,
+    specialized_decode: bool,
+) -> AttentionAdmission | None:
+    """Why the layer class cannot run K < D on ``backend`` (a taught one), or
+    None where it can."""
+    mla = kind is AttentionKind.MLA
     layer = taught_layer(layer_class, mla)
     if layer is None or (k > 1 and not layer.partial):
         path = GENERIC_LAYERS[mla] if layer_class is None else layer_class
@@ -437,7 +262,7 @@ def admit_attention(
             f"{', '.join(sorted(layer.backends))}",
             f"use one of them, or K={vllm_k} for this layer",
         )
-    backend_layers = _backend_layers(backend)
+    backend_layers = backend_layer_classes(backend)
     if backend_layers is not None and layer.path not in backend_layers:
         return _refusal(
             head,
@@ -454,14 +279,7 @@ def admit_attention(
             "runs its own DCP mailboxes over all D ranks and bypasses the impl",
             "use K=D ('sharded') for this group or turn specialized decode off",
         )
-    return _admit_taught(
-        head,
-        kind,
-        backend,
-        k,
-        interleave_size=interleave_size,
-        dcp_q_replicate=dcp_q_replicate,
-    )
+    return None
 
 
 def _admit_taught(

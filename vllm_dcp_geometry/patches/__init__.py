@@ -11,11 +11,16 @@ No patch module imports another: what they share lives in
 ``vllm_dcp_geometry.runtime`` and ``vllm_dcp_geometry.contract``, the only
 parts of the package a patch module may import (``tools/check_sources.py``).
 
-``PATCH_MODULES`` is the full list ``register()`` installs; the order is the
-order in which patches apply when their upstream modules are already loaded.
+Each patch module declares itself once, ``PATCH = Patch(...)``
+(``vllm_dcp_geometry.runtime.patching``). ``PATCH_MODULES`` is the full list
+``register()`` installs; the order is the order in which patches apply when
+their upstream modules are already loaded. ``declarations`` reads them.
 """
 
-from vllm_dcp_geometry.runtime.patching import PATCH_PACKAGE
+import importlib
+from collections.abc import Iterable
+
+from vllm_dcp_geometry.runtime.patching import PATCH_PACKAGE, Patch
 
 assert __name__ == PATCH_PACKAGE
 
@@ -45,4 +50,17 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.worker.deepseek_v32_attention",
     "vllm_dcp_geometry.patches.worker.sparse_attn_indexer",
     "vllm_dcp_geometry.patches.worker.gpu_worker",
+    "vllm_dcp_geometry.patches.worker.parallel_state",
 )
+
+
+def declarations(names: Iterable[str] = PATCH_MODULES) -> dict[str, Patch]:
+    """The ``PATCH`` of every patch module in ``names`` (full module names),
+    in that order; a module without one is refused by name."""
+    found = {}
+    for name in names:
+        patch = getattr(importlib.import_module(name), "PATCH", None)
+        if not isinstance(patch, Patch):
+            raise TypeError(f"{name} declares no PATCH = Patch(...)")
+        found[name] = patch
+    return found

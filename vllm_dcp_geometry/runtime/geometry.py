@@ -61,17 +61,21 @@ def default_shard_count(spec: Any, dcp_world_size: int) -> int:
     return dcp_world_size if spec.dcp_sharded else 1
 
 
-def differs_from_default(spec: Any, dcp_world_size: int) -> bool:
-    """Whether the spec's K differs from what vLLM derives from its flag."""
-    return get_kv_cache_dcp_shard_count(spec, dcp_world_size) != default_shard_count(
-        spec, dcp_world_size
-    )
+def shard_count_unless_default(
+    spec: Any, dcp_world_size: int, *, owner: str | None = None
+) -> int | None:
+    """The spec's K where it differs from what vLLM derives from its flag;
+    None where it is vLLM's own (a wrapper then calls the original)."""
+    k = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
+    return None if k == default_shard_count(spec, dcp_world_size) else k
 
 
 # Groups --------------------------------------------------------------------------
 
 
-def group_name(layer_names: Sequence[str] = (), index: int | None = None) -> str:
+def kv_cache_group_name(
+    layer_names: Sequence[str] = (), index: int | None = None
+) -> str:
     """The one display name of a KV-cache group in messages, e.g.
     ``KV-cache group 3 (model.layers.3.attn, model.layers.7.attn)``."""
     label = "KV-cache group" if index is None else f"KV-cache group {index}"
@@ -98,7 +102,7 @@ def group_shard_counts(
     """
     counts = []
     for index, group in enumerate(groups):
-        owner = group_name(getattr(group, "layer_names", ()), index)
+        owner = kv_cache_group_name(getattr(group, "layer_names", ()), index)
         spec = group.kv_cache_spec
         k = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
         check_prefill_context_parallel(owner, k, dcp_world_size, pcp_world_size)
@@ -118,8 +122,8 @@ def make_virtual_block_size_resolver(
     rule so it answers ``V = B * K``; the original runs where K is vLLM's own."""
 
     def resolve_dcp_kv_block_size(spec: Any, dcp_world_size: int) -> int:
-        k = get_kv_cache_dcp_shard_count(spec, dcp_world_size)
-        if k == default_shard_count(spec, dcp_world_size):
+        k = shard_count_unless_default(spec, dcp_world_size)
+        if k is None:
             return original(spec, dcp_world_size)
         return virtual_block_size(spec.block_size, k)
 
@@ -261,7 +265,7 @@ def input_batch_layout(
     from vllm.v1.kv_cache_interface import KVCacheSpecKind, get_kv_cache_spec_kind
 
     specs = [
-        (group_name(group.layer_names, index), group.kv_cache_spec)
+        (kv_cache_group_name(group.layer_names, index), group.kv_cache_spec)
         for index, group in enumerate(kv_cache_config.kv_cache_groups)
         if get_kv_cache_spec_kind(group.kv_cache_spec)
         != KVCacheSpecKind.ENCODER_ONLY_ATTENTION

@@ -70,8 +70,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from vllm_dcp_geometry.contract import GroupGeometry
@@ -85,7 +86,7 @@ class SideChannel:
     patches that write and read it, and what the reader takes from it.
 
     Writer and reader patches must be removed together (their
-    ``REMOVE_WITH``); a test checks that each writer calls ``setter`` and each
+    ``Patch.remove_with``); a test checks that each writer calls ``setter`` and each
     reader ``getter``."""
 
     setter: str
@@ -97,8 +98,9 @@ class SideChannel:
     written_when: str
     read_for: str
     via: tuple[str, ...] = ()
-    """``module.function`` of shared code that sets or reads it on the
-    patches' behalf (a patch calling one of them writes or reads it)."""
+    """``module.function`` of shared code (under ``vllm_dcp_geometry.runtime``)
+    that sets or reads it on the patches' behalf (a patch calling one of them
+    writes or reads it)."""
 
 
 _BUILDERS = (
@@ -119,7 +121,11 @@ CHANNELS: tuple[SideChannel, ...] = (
         "`get_dcp_local_seq_lens`) answer the group's `(K, r % K)`; MLA's "
         "`get_dcp_group` a world of 1 (K = 1), its DSpark check runs as at "
         "DCP 1, and its `build_mla_chunked_context_metadata` plans over K shards",
-        via=("metadata_builders.builder_init", "mla_geometry.make_group_getter"),
+        via=(
+            "metadata_builders.builder_init",
+            "metadata_builders.group_world_getter",
+            "mla_geometry.make_group_getter",
+        ),
     ),
     SideChannel(
         "pending_block_table_layout",
@@ -167,121 +173,141 @@ CHANNELS: tuple[SideChannel, ...] = (
 )
 """Every side channel: the README's side-channel table is made from these."""
 
-TAKEN_LAYOUT_ATTR = "dcp_geometry_layout"
-"""Set on a ``MultiGroupBlockTable`` to the layout it took from the channel."""
+LAYOUT_ATTR = "dcp_geometry_layout"
+"""Set on a ``MultiGroupBlockTable`` to the layout it took from the channel, and
+on Model Runner V1 to the layout its input batch was built with."""
 
 TAKEN_SHARD_COUNTS_ATTR = "dcp_shard_counts"
 """Set on a ``BlockTables`` to the shard counts it took (None: upstream's)."""
 
 
-_active_group: contextvars.ContextVar[GroupGeometry | None] = contextvars.ContextVar(
-    "vllm_dcp_geometry_active_group", default=None
-)
-_pending_layout: contextvars.ContextVar[BlockTableLayout | None] = (
-    contextvars.ContextVar("vllm_dcp_geometry_block_table_layout", default=None)
-)
+_Value = TypeVar("_Value")
+ChannelWriter = Callable[[_Value], AbstractContextManager[_Value]]
+"""A channel's setter: holds the value it is given for the code run inside
+its ``with`` block (and yields it)."""
+
+ChannelReader = Callable[[], _Value | None]
+"""A channel's getter: what the innermost enclosing setter holds, or None
+outside every one."""
+
 ShardCountsSource = Callable[[], "Sequence[int] | None"]
 """Works out the per-group K when a ``BlockTables`` asks (None: upstream's)."""
 
-_pending_shard_counts: contextvars.ContextVar[
-    tuple[int, ...] | ShardCountsSource | None
-] = contextvars.ContextVar("vllm_dcp_geometry_shard_counts", default=None)
+
+def _as_given(value: Any) -> Any:
+    return value
 
 
-@contextlib.contextmanager
-def use_group_geometry(geometry: GroupGeometry) -> Iterator[GroupGeometry]:
-    """Make ``geometry`` the group the patched backend helpers answer for,
-    for the duration of one upstream builder call."""
-    token = _active_group.set(geometry)
-    try:
-        yield geometry
-    finally:
-        _active_group.reset(token)
+def side_channel(
+    setter: str,
+    getter: str,
+    *,
+    setter_doc: str,
+    getter_doc: str,
+    admit: Callable[[Any], Any] = _as_given,
+    resolve: Callable[[Any], Any] = _as_given,
+) -> tuple[ChannelWriter[Any], ChannelReader[Any]]:
+    """The two ends of one side channel, named ``setter`` and ``getter``.
+
+    The setter holds ``admit(value)`` in a context variable of its own for
+    the duration of its ``with`` block, so nested uses restore the outer
+    value on the way out (exceptions included) and threads and tasks never
+    see each other's; ``admit`` may refuse the value. The getter answers
+    ``resolve`` of the value held, or None outside every setter."""
+    held: contextvars.ContextVar[Any] = contextvars.ContextVar(
+        f"vllm_dcp_geometry_{setter}", default=None
+    )
+
+    @contextlib.contextmanager
+    def write(value: Any) -> Iterator[Any]:
+        token = held.set(admit(value))
+        try:
+            yield value
+        finally:
+            held.reset(token)
+
+    def read() -> Any:
+        value = held.get()
+        return None if value is None else resolve(value)
+
+    for end, name, doc in ((write, setter, setter_doc), (read, getter, getter_doc)):
+        end.__name__ = end.__qualname__ = name
+        end.__doc__ = doc
+    return write, read
 
 
-def current_group_geometry() -> GroupGeometry | None:
-    """The group whose builder code is running, or None outside one."""
-    return _active_group.get()
-
-
-_active_replica: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "vllm_dcp_geometry_active_replica_group", default=None
-)
-
-
-@contextlib.contextmanager
-def use_replica_group(coordinator: Any) -> Iterator[Any]:
-    """Make ``coordinator`` (a partial group's replica ``GroupCoordinator``)
-    the collective group the patched MLA helpers answer, for the duration of
-    one binding or upstream builder call."""
-    token = _active_replica.set(coordinator)
-    try:
-        yield coordinator
-    finally:
-        _active_replica.reset(token)
-
-
-def current_replica_group() -> Any:
-    """The replica group of the partial MLA group being built, or None."""
-    return _active_replica.get()
-
-
-_active_indexer: contextvars.ContextVar[GroupGeometry | None] = contextvars.ContextVar(
-    "vllm_dcp_geometry_active_indexer", default=None
-)
-
-
-@contextlib.contextmanager
-def use_indexer_geometry(geometry: GroupGeometry) -> Iterator[GroupGeometry]:
-    """Make ``geometry`` (a partial indexer cache's) the one the top-k merge
-    answers for, for the duration of one ``sparse_attn_indexer`` call."""
+def _admit_partial_indexer(geometry: GroupGeometry) -> GroupGeometry:
     if not geometry.is_partial:
         raise ValueError(f"{geometry.describe()}: only a partial indexer merges")
-    token = _active_indexer.set(geometry)
-    try:
-        yield geometry
-    finally:
-        _active_indexer.reset(token)
+    return geometry
 
 
-def current_indexer_geometry() -> GroupGeometry | None:
-    """The partial indexer cache whose top-k is being merged, or None."""
-    return _active_indexer.get()
-
-
-@contextlib.contextmanager
-def pending_block_table_layout(layout: BlockTableLayout) -> Iterator[None]:
-    """Hand ``layout`` to every ``MultiGroupBlockTable`` built inside."""
-    token = _pending_layout.set(layout)
-    try:
-        yield
-    finally:
-        _pending_layout.reset(token)
-
-
-def pending_layout() -> BlockTableLayout | None:
-    """The layout a ``MultiGroupBlockTable`` being built should take."""
-    return _pending_layout.get()
-
-
-@contextlib.contextmanager
-def pending_dcp_shard_counts(
+def _admit_shard_counts(
     shard_counts: Sequence[int] | ShardCountsSource,
-) -> Iterator[None]:
-    """Hand ``shard_counts`` (one K per group, or a function giving them) to
-    every ``BlockTables`` built inside."""
-    value = shard_counts if callable(shard_counts) else tuple(shard_counts)
-    token = _pending_shard_counts.set(value)
-    try:
-        yield
-    finally:
-        _pending_shard_counts.reset(token)
+) -> tuple[int, ...] | ShardCountsSource:
+    return shard_counts if callable(shard_counts) else tuple(shard_counts)
 
 
-def pending_shard_counts() -> tuple[int, ...] | None:
-    """The per-group K a ``BlockTables`` being built should take."""
-    value = _pending_shard_counts.get()
-    if callable(value):
-        counts = value()
-        return None if counts is None else tuple(counts)
-    return value
+def _resolve_shard_counts(
+    held: tuple[int, ...] | ShardCountsSource,
+) -> tuple[int, ...] | None:
+    if not callable(held):
+        return held
+    counts = held()
+    return None if counts is None else tuple(counts)
+
+
+use_group_geometry: ChannelWriter[GroupGeometry]
+current_group_geometry: ChannelReader[GroupGeometry]
+use_group_geometry, current_group_geometry = side_channel(
+    "use_group_geometry",
+    "current_group_geometry",
+    setter_doc="Make ``geometry`` the group the patched backend helpers answer "
+    "for, for the duration of one upstream builder call.",
+    getter_doc="The group whose builder code is running, or None outside one.",
+)
+
+use_replica_group: ChannelWriter[Any]
+current_replica_group: ChannelReader[Any]
+use_replica_group, current_replica_group = side_channel(
+    "use_replica_group",
+    "current_replica_group",
+    setter_doc="Make ``coordinator`` (a partial group's replica "
+    "``GroupCoordinator``) the collective group the patched MLA helpers "
+    "answer, for the duration of one binding or upstream builder call.",
+    getter_doc="The replica group of the partial MLA group being built, or None.",
+)
+
+use_indexer_geometry: ChannelWriter[GroupGeometry]
+current_indexer_geometry: ChannelReader[GroupGeometry]
+use_indexer_geometry, current_indexer_geometry = side_channel(
+    "use_indexer_geometry",
+    "current_indexer_geometry",
+    setter_doc="Make ``geometry`` (a partial indexer cache's; any other is "
+    "refused) the one the top-k merge answers for, for the duration of one "
+    "``sparse_attn_indexer`` call.",
+    getter_doc="The partial indexer cache whose top-k is being merged, or None.",
+    admit=_admit_partial_indexer,
+)
+
+pending_block_table_layout: ChannelWriter[BlockTableLayout]
+pending_layout: ChannelReader[BlockTableLayout]
+pending_block_table_layout, pending_layout = side_channel(
+    "pending_block_table_layout",
+    "pending_layout",
+    setter_doc="Hand ``layout`` to every ``MultiGroupBlockTable`` built inside.",
+    getter_doc="The layout a ``MultiGroupBlockTable`` being built should take.",
+)
+
+pending_dcp_shard_counts: ChannelWriter[Sequence[int] | ShardCountsSource]
+pending_shard_counts: ChannelReader[tuple[int, ...]]
+pending_dcp_shard_counts, pending_shard_counts = side_channel(
+    "pending_dcp_shard_counts",
+    "pending_shard_counts",
+    setter_doc="Hand ``shard_counts`` (one K per group, or a function giving "
+    "them) to every ``BlockTables`` built inside.",
+    getter_doc="The per-group K a ``BlockTables`` being built should take (the "
+    "function's answer where a function was handed over).",
+    admit=_admit_shard_counts,
+    resolve=_resolve_shard_counts,
+)

@@ -26,7 +26,7 @@ from vllm_dcp_geometry.contract import (
 from vllm_dcp_geometry.runtime.geometry import (
     default_shard_count,
     get_kv_cache_dcp_shard_count,
-    group_name,
+    kv_cache_group_name,
 )
 
 BOUND_GEOMETRY_ATTR = "_vllm_dcp_geometry_group"
@@ -52,7 +52,7 @@ def resolve_group_geometry(
     if dcp_world_size == 1:
         return None
     parallel_config = vllm_config.parallel_config
-    owner = group_name(layer_names, index)
+    owner = kv_cache_group_name(layer_names, index)
     shard_count = get_kv_cache_dcp_shard_count(
         kv_cache_spec, dcp_world_size, owner=owner
     )

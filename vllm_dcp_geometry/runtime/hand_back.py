@@ -12,11 +12,14 @@ every D needs no D to be handed back. Only a spec that carries an explicit
 recurrent spec flagged sharded) makes a wrapper read D and decide. An
 object that is not a vLLM ``KVCacheSpec`` at all (vLLM's own unit tests pass
 such doubles) carries nothing the plugin gives a K to: upstream's path.
+Where upstream code reads D from the config itself, ``config_with_dcp_size``
+lets it run unchanged with a group's K instead.
 vLLM is imported inside the functions.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,3 +53,15 @@ def follows_vllm_default(spec: Any) -> bool:
 def groups_follow_vllm_default(groups: Iterable[Any]) -> bool:
     """Whether every ``KVCacheGroupSpec``'s spec follows vLLM's default."""
     return all(follows_vllm_default(group.kv_cache_spec) for group in groups)
+
+
+def config_with_dcp_size(vllm_config: Any, dcp_world_size: int) -> Any:
+    """A shallow copy of ``vllm_config`` whose parallel config says
+    ``dcp_world_size`` is the DCP size; everything else (the forward context
+    included) is shared, so upstream code that reads D from the config runs
+    with a group's K."""
+    parallel_config = copy.copy(vllm_config.parallel_config)
+    object.__setattr__(parallel_config, "decode_context_parallel_size", dcp_world_size)
+    view = copy.copy(vllm_config)
+    object.__setattr__(view, "parallel_config", parallel_config)
+    return view

@@ -7,7 +7,9 @@
 is not vLLM's own, runs upstream's constructor (with the group's world active
 where the backend derives its lengths from it), lets the backend finish a
 partial builder and binds the group's layers. ``make_partial_group_build``
-wraps ``build`` so a partial group's builder reads its own local lengths.
+wraps ``build`` so a partial group's builder reads its own local lengths;
+``group_world_getter`` makes a backend module's ``get_dcp_world_size_and_rank``
+answer the group being built.
 
 No vLLM import at module level.
 """
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
 from vllm_dcp_geometry.runtime.group_context import (
+    current_group_geometry,
     use_group_geometry,
     use_replica_group,
 )
@@ -262,3 +265,25 @@ def make_partial_group_build(
         return metadata
 
     return build
+
+
+def group_world_getter(
+    answers: Callable[[GroupGeometry], bool],
+) -> Callable[[Callable[..., tuple[int, int]]], Callable[..., tuple[int, int]]]:
+    """The wrapper factory of a backend module's ``get_dcp_world_size_and_rank``
+    (as that module sees it): while a group for which ``answers(geometry)``
+    holds is active (``use_group_geometry``), an enabled call answers the
+    group's shard world ``(K, r % K)``; every other call is upstream's."""
+
+    def make(
+        original: Callable[..., tuple[int, int]],
+    ) -> Callable[..., tuple[int, int]]:
+        def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
+            geometry = current_group_geometry()
+            if geometry is None or not enabled or not answers(geometry):
+                return original(enabled)
+            return geometry.shard_world
+
+        return get_dcp_world_size_and_rank
+
+    return make

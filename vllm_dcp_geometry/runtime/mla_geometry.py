@@ -132,6 +132,50 @@ MANAGER_ARGS_ATTR = "_vllm_dcp_geometry_init_args"
 ``(args, kwargs)`` its layer constructed it with."""
 
 
+def register_replica_warmups(
+    init: Callable[..., None], manager: Any, args: Any, kwargs: Any
+) -> None:
+    """Register, as ``MLADCPManager(*args, **kwargs)`` (``init``: upstream's
+    constructor) registers D's, the JIT warm-up of the LSE-combine kernel for
+    every replica group made on this worker: the layer's own dtype, heads and
+    head size with a config seen with DCP size K, so a replica's K-rank
+    combine compiles at start-up, not on its first decode step. The layer's
+    manager is made while the model is built, where vLLM's runners collect
+    warm-ups (the replica managers come later, outside that window in Model
+    Runner V1); the replica groups exist by then (``Worker.init_device``).
+    Nothing is read where no replica group was made, nor for a replica
+    manager itself (its layer's manager registered its K)."""
+    from vllm_dcp_geometry.runtime.replica_groups import made_replica_groups
+
+    shard_counts = sorted(made_replica_groups())
+    if not shard_counts or current_replica_group() is not None:
+        return
+    import inspect
+
+    from vllm.v1.attention.ops import dcp
+
+    from vllm_dcp_geometry.runtime.hand_back import config_with_dcp_size
+
+    given = inspect.signature(init).bind(manager, *args, **kwargs).arguments
+    vllm_config = given["vllm_config"]
+    parallel_config = vllm_config.parallel_config
+    if (
+        not vllm_config.kernel_config.enable_jit_warmup
+        or parallel_config.dcp_comm_backend == "a2a"
+    ):
+        return  # upstream registers nothing here either
+    for shard_count in shard_counts:
+        if not 1 < shard_count < parallel_config.decode_context_parallel_size:
+            continue
+        dcp._CORRECT_ATTN_CP_OUT_KERNEL.register_warmup(
+            config_with_dcp_size(vllm_config, shard_count),
+            output_dtype=given["output_dtype"],
+            num_heads=given["num_heads"],
+            head_dim=given["output_head_dim"],
+            is_base_e=given["is_lse_base_on_e"],
+        )
+
+
 def replica_manager(manager: Any, replica: Any, what: str) -> Any:
     """A layer's ``MLADCPManager`` for its replica group: vLLM's own
     constructor with the arguments the layer gave ``manager``, while

@@ -2,17 +2,21 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """How patches are declared, checked and applied.
 
-Every patch module under ``vllm_dcp_geometry.patches`` declares the upstream
-module it patches, the symbols it replaces (``REPLACES``) apart from those it
-only relies on (``RELIES_ON``), both with the parameter list they were written
-against, the attributes it adds (``ADDS``), the patches it must be removed
-with (``REMOVE_WITH``), why, and when it can go. Every change a patch makes
-while it applies is entered in a ledger (``changes_made_by``), so a test can
-hold the declaration to what was really done. ``plugin.register`` applies each
-one the moment its upstream module is imported (at once if it already is,
-through ``import_hooks``), so a process only pays for the vLLM modules it
-really loads. A symbol that is missing or whose parameters changed raises
-``UpstreamChangedError``: a patch never switches itself off.
+Every patch module under ``vllm_dcp_geometry.patches`` declares itself once,
+``PATCH = Patch(...)``: the upstream module it patches, the symbols it
+replaces (``Wrap``, each with the wrapper factory that replaces it) apart from
+those it only relies on (``Pin``), both with the parameter list they were
+written against, the attributes it adds, the patches it must be removed with,
+why, and when it can go. Declaring is applying: ``Patch.install`` verifies
+every pinned symbol, installs the declared wrappers and runs the patch's own
+``apply`` for whatever more it does. Every change made while it applies is
+entered in a ledger (``changes_made_by``), so a test can hold the declaration
+to what was really done. ``plugin.register`` installs each one the moment its
+upstream module is imported (at once if it already is, through
+``import_hooks``), so a process only pays for the vLLM modules it really
+loads. A symbol that is missing or whose parameters changed raises
+``UpstreamChangedError`` (``upstream_symbols``): a patch never switches
+itself off.
 
 Every change the helpers here make (``wrap``, ``add_attribute``,
 ``rebind_module_references``, ``set_item``) is recorded while an
@@ -23,69 +27,157 @@ set of patches is all or nothing.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 import sys
 import threading
-import types
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from types import ModuleType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-RunsIn = Literal["all", "engine_core", "worker", "benchmark"]
-"""Where the patched upstream code runs. Documentation only: every process
-installs every hook, and a hook costs nothing until its module is imported."""
-
-ORIGINAL_ATTR = "__vllm_dcp_geometry_original__"
-"""Set on every wrapper we install; holds the upstream object it replaced."""
-
+from vllm_dcp_geometry.runtime.upstream_symbols import (
+    ORIGINAL_ATTR,
+    UpstreamChangedError,
+    UpstreamSymbol,
+    callable_of,
+    lookup,
+    verify_symbol,
+)
+from vllm_dcp_geometry.runtime.upstream_symbols import (
+    original_of as original_of,  # re-exported: where callers have always found it
+)
 
 FACTORY_ATTR = "__vllm_dcp_geometry_factory__"
 """Set on every wrapper we install; names the function that made it."""
 
+WrapperFactory = Callable[..., Callable[..., Any]]
+"""``make_wrapper(original, *factory_args) -> wrapper``."""
 
-class UpstreamChangedError(RuntimeError):
-    """A vLLM symbol this plugin patches moved or changed its parameters."""
+
+# Declarations -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class UpstreamSymbol:
-    """A symbol in ``module`` this plugin patches or relies on.
+class Pin:
+    """An upstream symbol a patch relies on without changing it.
 
-    ``parameters`` is the parameter list the patch was written against, as
-    ``describe_parameters`` prints it; None checks only that it exists.
+    ``qualname`` is the symbol in the patch's upstream module; ``parameters``
+    the parameter list the patch was written against (None: it must exist).
     """
 
-    module: str
     qualname: str
     parameters: str | None = None
 
-    def __str__(self) -> str:
-        return f"{self.module}.{self.qualname}"
+
+@dataclass(frozen=True)
+class Wrap:
+    """An upstream symbol a patch replaces with a wrapper.
+
+    ``make_wrapper(original, *factory_args)`` makes the wrapper
+    ``Patch.install`` puts in its place (with ``with_module``, the upstream
+    module is passed before ``factory_args``); None where the patch's own
+    ``apply`` wraps it. ``rebind_copies`` (module functions only) also points
+    the copies other loaded vLLM modules took with ``from module import f``
+    at the wrapper.
+    """
+
+    qualname: str
+    parameters: str | None = None
+    make_wrapper: WrapperFactory | None = None
+    _: KW_ONLY
+    factory_args: tuple[Any, ...] = ()
+    with_module: bool = False
+    rebind_copies: bool = False
+
+    def __post_init__(self) -> None:
+        options = self.factory_args or self.with_module or self.rebind_copies
+        if self.make_wrapper is None and options:
+            raise ValueError(f"{self.qualname}: wrapper options without a factory")
+        if self.rebind_copies and "." in self.qualname:
+            raise ValueError(f"{self.qualname}: only module functions are rebound")
 
 
-class PatchModule(Protocol):
-    """What every module under ``vllm_dcp_geometry.patches`` declares."""
+@dataclass(frozen=True, kw_only=True)
+class Patch:
+    """One patch module's declaration: what it changes in ``upstream_module``.
 
-    UPSTREAM_MODULE: str
-    RUNS_IN: RunsIn
-    REPLACES: tuple[UpstreamSymbol, ...]
-    """Upstream symbols the patch wraps (exactly those)."""
-    RELIES_ON: tuple[UpstreamSymbol, ...]
-    """Upstream symbols it does not change but whose behaviour it assumes."""
-    ADDS: tuple[str, ...]
-    """Attributes (qualnames in the upstream module) the patch defines anew."""
-    REMOVE_WITH: tuple[str, ...]
-    """Patch modules (``worker.block_table``) that stop working without this
-    one, and it without them: remove them together (symmetric)."""
-    PATCHED_SYMBOLS: tuple[UpstreamSymbol, ...]
-    """``REPLACES + RELIES_ON``: everything ``register()`` pins."""
-    WHY: str
-    REMOVE_WHEN: str
-    RELATED: str
+    ``replaces``: the symbols it wraps (exactly those); ``relies_on``: those
+    it does not change but whose behaviour it assumes; ``adds``: qualnames
+    it defines anew in the upstream module; ``remove_with``: patch modules
+    (``worker.block_table``) that stop working without this one, and it
+    without them (symmetric); ``apply(module)``: what the patch does beyond
+    its declared wrappers, run after them.
+    """
 
-    def apply(self, module: ModuleType) -> None: ...
+    upstream_module: str
+    replaces: tuple[Wrap, ...] = ()
+    relies_on: tuple[Pin, ...] = ()
+    adds: tuple[str, ...] = ()
+    remove_with: tuple[str, ...] = ()
+    why: str
+    remove_when: str
+    related: str
+    apply: Callable[[ModuleType], None] | None = None
+
+    def __post_init__(self) -> None:
+        replaced = [entry.qualname for entry in self.replaces]
+        relied = [entry.qualname for entry in self.relies_on]
+        named = replaced + relied + list(self.adds)
+        twice = sorted({q for q in named if named.count(q) > 1})
+        if twice:
+            raise ValueError(
+                f"the patch of {self.upstream_module} declares {', '.join(twice)} "
+                "more than once (replaced, relied on or added)"
+            )
+
+    @property
+    def replaced_symbols(self) -> tuple[UpstreamSymbol, ...]:
+        return tuple(
+            UpstreamSymbol(self.upstream_module, entry.qualname, entry.parameters)
+            for entry in self.replaces
+        )
+
+    @property
+    def relied_on_symbols(self) -> tuple[UpstreamSymbol, ...]:
+        return tuple(
+            UpstreamSymbol(self.upstream_module, entry.qualname, entry.parameters)
+            for entry in self.relies_on
+        )
+
+    @property
+    def patched_symbols(self) -> tuple[UpstreamSymbol, ...]:
+        """Everything ``verify`` pins: the replaced symbols, then the relied on."""
+        return self.replaced_symbols + self.relied_on_symbols
+
+    def verify(self, module: ModuleType) -> None:
+        """Raise ``UpstreamChangedError`` unless every pinned symbol is as
+        declared in ``module``."""
+        for symbol in self.patched_symbols:
+            verify_symbol(symbol, module)
+
+    def install(self, module: ModuleType) -> None:
+        """Verify ``module``, install the declared wrappers, then run ``apply``
+        (changes recorded: inside ``undo_on_error`` a failure undoes them)."""
+        if module.__name__ != self.upstream_module:
+            raise ValueError(
+                f"the patch of {self.upstream_module} cannot install into "
+                f"{module.__name__}"
+            )
+        self.verify(module)
+        copies: dict[Any, Any] = {}
+        for entry in self.replaces:
+            if entry.make_wrapper is None:
+                continue
+            owner, name, raw = lookup(module, entry.qualname)
+            args = entry.factory_args
+            if entry.with_module:
+                args = (module, *args)
+            wrap(owner, name, entry.make_wrapper, *args)
+            if entry.rebind_copies:
+                copies[raw] = getattr(owner, name)
+        if copies:
+            rebind_module_references(copies)
+        if self.apply is not None:
+            self.apply(module)
 
 
 # The ledger of what each patch changed ------------------------------------------
@@ -148,7 +240,11 @@ def record_applied(patch_name: str, upstream_module: str) -> None:
     """Enter in the ledger that ``patch_name`` applied to ``upstream_module``
     (undone with the block, like every change)."""
     _applied[patch_name] = upstream_module
-    _record(lambda: _applied.pop(patch_name, None))
+
+    def undo() -> None:
+        _applied.pop(patch_name, None)
+
+    _record(undo)
 
 
 def applied_patches() -> dict[str, str]:
@@ -240,100 +336,12 @@ def undo_on_error() -> Iterator[None]:
         outer.extend(entries)
 
 
-def _callable_of(obj: Any) -> Any:
-    if isinstance(obj, (classmethod, staticmethod)):
-        return obj.__func__
-    if isinstance(obj, property):
-        return obj.fget
-    return obj
-
-
-def describe_parameters(obj: Any) -> str:
-    """Parameter names and kinds of a callable, e.g. ``self, x, *, y=, **kw``.
-
-    A Triton kernel (compiled or interpreted) is described by its
-    ``arg_names``, in launch order, so a kernel the plugin launches is pinned
-    argument by argument.
-    """
-    func = _callable_of(obj)
-    func = getattr(func, ORIGINAL_ATTR, func)
-    func = _callable_of(func)
-    arg_names = getattr(func, "arg_names", None)
-    if isinstance(arg_names, (list, tuple)) and not inspect.isroutine(func):
-        return ", ".join(arg_names)
-    parts: list[str] = []
-    saw_kw_only = False
-    params = list(inspect.signature(func).parameters.values())
-    for i, p in enumerate(params):
-        if p.kind is p.VAR_POSITIONAL:
-            parts.append(f"*{p.name}")
-            saw_kw_only = True
-            continue
-        if p.kind is p.VAR_KEYWORD:
-            parts.append(f"**{p.name}")
-            continue
-        if p.kind is p.KEYWORD_ONLY and not saw_kw_only:
-            parts.append("*")
-            saw_kw_only = True
-        default = "=" if p.default is not p.empty else ""
-        parts.append(f"{p.name}{default}")
-        nxt = params[i + 1] if i + 1 < len(params) else None
-        if p.kind is p.POSITIONAL_ONLY and (
-            nxt is None or nxt.kind is not p.POSITIONAL_ONLY
-        ):
-            parts.append("/")
-    return ", ".join(parts)
-
-
-def lookup(module: ModuleType, qualname: str) -> tuple[Any, str, Any]:
-    """(owner, attribute name, raw attribute) of ``qualname`` in ``module``.
-
-    The attribute must be defined on its owner itself (not inherited), so a
-    patch never lands on a base class by accident.
-    """
-    owner: Any = module
-    *path, attr = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
-    if attr not in namespace:
-        raise AttributeError(f"{owner!r} defines no attribute {attr!r}")
-    return owner, attr, namespace[attr]
-
-
-def original_of(obj: Any) -> Any:
-    """The upstream object behind one of our wrappers (or ``obj`` itself)."""
-    return getattr(_callable_of(obj), ORIGINAL_ATTR, obj)
-
-
-def verify_symbol(symbol: UpstreamSymbol, module: ModuleType | None = None) -> Any:
-    """Check that ``symbol`` exists with the expected parameters; return it."""
-    if module is None:
-        module = importlib.import_module(symbol.module)
-    try:
-        _, _, raw = lookup(module, symbol.qualname)
-    except AttributeError as exc:
-        raise UpstreamChangedError(
-            f"vllm-dcp-geometry patches {symbol}, which no longer exists in the "
-            f"installed vLLM ({exc}). The plugin refuses to run without it."
-        ) from exc
-    if symbol.parameters is not None:
-        actual = describe_parameters(raw)
-        if actual != symbol.parameters:
-            raise UpstreamChangedError(
-                f"vllm-dcp-geometry patches {symbol}, whose parameters changed: "
-                f"expected ({symbol.parameters}), found ({actual}). The plugin "
-                "refuses to run against it."
-            )
-    return raw
-
-
 def mark_wrapper(wrapper: Any, original: Any) -> Any:
     """Record ``original`` on ``wrapper`` so patching twice is a no-op."""
-    target = _callable_of(wrapper)
+    target = callable_of(wrapper)
     setattr(target, ORIGINAL_ATTR, original)
     if not hasattr(target, "__wrapped__"):
-        target.__wrapped__ = _callable_of(original)
+        target.__wrapped__ = callable_of(original)
     return wrapper
 
 
@@ -352,7 +360,7 @@ def wrap(
     namespace = owner.__dict__ if isinstance(owner, type) else vars(owner)
     raw = namespace[name]
     factory = f"{make_wrapper.__module__}.{make_wrapper.__qualname__}"
-    existing = _callable_of(raw)
+    existing = callable_of(raw)
     if hasattr(existing, ORIGINAL_ATTR):
         made_by = getattr(existing, FACTORY_ATTR, None)
         if made_by == factory:
@@ -362,7 +370,7 @@ def wrap(
             f"{getattr(owner, '__qualname__', owner)}.{name} is already wrapped by "
             f"{made_by}; {factory} cannot wrap it too"
         )
-    func = _callable_of(raw)
+    func = callable_of(raw)
     new: Any = make_wrapper(func, *factory_args)
     setattr(new, FACTORY_ATTR, factory)
     for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
@@ -377,49 +385,12 @@ def wrap(
     _assign(owner, name, new, "wrap")
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    """Names a code object and the functions nested in it look up."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
-
-
-def require_global_call(module: ModuleType, qualname: str, callee: str) -> None:
-    """Fail loudly unless ``module.qualname`` looks ``callee`` up as a global
-    (so a wrapper of the module's ``callee`` is the one it calls): a patch
-    relying on that must not switch itself off when vLLM inlines or imports
-    the callee another way."""
-    _, _, function = lookup(module, qualname)
-    code = getattr(inspect.unwrap(_callable_of(function)), "__code__", None)
-    if code is None or callee not in _global_names(code):
-        raise UpstreamChangedError(
-            f"{module.__name__}.{qualname} no longer calls {callee} through its "
-            "module globals, which this plugin's wrapper relies on; review the "
-            "plugin against this vLLM"
-        )
-
-
-def require_class_path(module: ModuleType, name: str, expected: str) -> type:
-    """``module.name``, a class whose ``module.qualname`` must be ``expected``
-    (the path a table of this plugin names it by)."""
-    cls = getattr(module, name)
-    path = f"{cls.__module__}.{cls.__qualname__}"
-    if path != expected:
-        raise UpstreamChangedError(
-            f"{module.__name__}.{name} is {path}, not {expected}, the class this "
-            "plugin was taught; review the plugin against this vLLM"
-        )
-    return cls
-
-
 def add_attribute(owner: type | ModuleType, name: str, value: Any) -> None:
     """Add a new attribute (to a class or module) this plugin defines; refuse
     to shadow upstream's."""
     existing = vars(owner).get(name)
-    if existing is not None and not hasattr(_callable_of(existing), ORIGINAL_ATTR):
-        defined_in = getattr(_callable_of(existing), "__module__", None) or ""
+    if existing is not None and not hasattr(callable_of(existing), ORIGINAL_ATTR):
+        defined_in = getattr(callable_of(existing), "__module__", None) or ""
         if defined_in.startswith("vllm_dcp_geometry"):
             return
         where = (
@@ -454,17 +425,3 @@ def rebind_module_references(
                 _assign(mod, attr, new)
                 changed.append(f"{mod_name}.{attr}")
     return changed
-
-
-def wrap_module_functions(
-    module: ModuleType,
-    wrappers: Mapping[str, Callable[[Callable[..., Any]], Callable[..., Any]]],
-) -> list[str]:
-    """``wrap`` module-level functions, then rebind the copies other loaded
-    vLLM modules took with ``from module import f`` (one pass for all)."""
-    replacements: dict[Any, Any] = {}
-    for name, make_wrapper in wrappers.items():
-        _, _, original = lookup(module, name)
-        wrap(module, name, make_wrapper)
-        replacements[original] = getattr(module, name)
-    return rebind_module_references(replacements)

@@ -16,7 +16,9 @@ device communicator a DCP group has. This rank's replica is kept per K for
 the MLA builders and layers of partial groups (``replica_group``), which
 check it against their geometry. A K no override names (a model setting
 ``dcp_kv_shard_count`` itself) has no replica group: its builder refuses to
-start, naming the way out.
+start, naming the way out. vLLM's ``destroy_model_parallel`` (wrapped by
+``worker.parallel_state``) destroys and forgets them first
+(``destroy_replica_groups``), so a re-initialisation makes fresh ones.
 
 vLLM is imported inside the functions.
 """
@@ -46,7 +48,7 @@ MADE_FOR_ATTR = "_vllm_dcp_geometry_dcp_group"
 a group made before vLLM re-initialised its model parallel state is stale."""
 
 
-def group_name(shard_count: int) -> str:
+def replica_process_group_name(shard_count: int) -> str:
     """The ``GroupCoordinator`` name of the K-shard replica groups."""
     return f"dcp_replica_k{shard_count}"
 
@@ -73,7 +75,7 @@ def create_replica_groups(shard_counts: Sequence[int]) -> dict[int, Any]:
             replica_rank_lists(dcp_groups, shard_count),
             local_rank,
             backend,
-            group_name=group_name(shard_count),
+            group_name=replica_process_group_name(shard_count),
         )
         _check_member(coordinator, dcp, shard_count)
         setattr(coordinator, MADE_FOR_ATTR, dcp)
@@ -143,18 +145,19 @@ def replica_group(geometry: GroupGeometry) -> Any:
     from vllm.distributed import parallel_state
 
     coordinator = _REPLICA_GROUPS.get(geometry.shard_count)
+    name = replica_process_group_name(geometry.shard_count)
     stale = getattr(coordinator, MADE_FOR_ATTR, None) is not parallel_state._DCP
     if coordinator is None or stale:
         raise DcpGeometryError(
             f"{geometry.describe()}: its replica process groups "
-            f"({group_name(geometry.shard_count)}) were not made at KV-cache "
+            f"({name}) were not made at KV-cache "
             "initialisation, so its collectives cannot stay within its replica; "
             f"set additional_config[{CONFIG_KEY!r}][{PARTIAL_COLLECTIVES_KEY!r}] "
             f"to {DCP_GROUP!r} to run them on the whole DCP group"
         )
     if (coordinator.world_size, coordinator.rank_in_group) != geometry.shard_world:
         raise DcpGeometryError(
-            f"{geometry.describe()}: replica group {group_name(geometry.shard_count)} "
+            f"{geometry.describe()}: replica group {name} "
             f"has world {coordinator.world_size} and rank "
             f"{coordinator.rank_in_group}, not the group's (K, r % K)="
             f"{geometry.shard_world}"
@@ -168,8 +171,9 @@ def made_replica_groups() -> dict[int, Any]:
 
 
 def destroy_replica_groups() -> None:
-    """Destroy every replica group this process made (before vLLM's own
-    ``destroy_model_parallel``)."""
+    """Destroy and forget every replica group this process made; run by the
+    wrapped ``destroy_model_parallel`` before vLLM destroys its own groups
+    (nothing done where none was made)."""
     while _REPLICA_GROUPS:
         _, coordinator = _REPLICA_GROUPS.popitem()
         coordinator.destroy()

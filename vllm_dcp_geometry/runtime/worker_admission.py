@@ -21,13 +21,15 @@ from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.contract.attention_admission import (
-    DCP_DROPPED_FEATURES,
-    TAUGHT_BACKENDS,
     AttentionAdmission,
-    AttentionKind,
     AttentionMode,
     admit_attention,
     impl_world_refusal,
+)
+from vllm_dcp_geometry.contract.attention_backends import (
+    DCP_DROPPED_FEATURES,
+    TAUGHT_BACKENDS,
+    AttentionKind,
     taught_backend_name,
     teaching_patch,
     vllm_shard_count,
@@ -61,7 +63,7 @@ def attention_kind(kv_cache_spec: Any, backend: Any = None) -> AttentionKind:
 def upstream_read_shard_count(kv_cache_spec: Any, dcp_world_size: int) -> int | None:
     """The K unpatched vLLM 0.33.0's attention reads a group's cache with
     (None: no attention reads it): MLA always D, other backends D or 1 from
-    ``dcp_sharded`` (``attention_admission.vllm_shard_count``)."""
+    ``dcp_sharded`` (``attention_backends.vllm_shard_count``)."""
     kind = attention_kind(kv_cache_spec)
     if kind is AttentionKind.NONE:
         return None
@@ -74,7 +76,7 @@ def backend_label(backend_name: str, builder_cls: type) -> str:
     """The backend's name where its builder is the exact class the plugin
     taught (or the backend is not taught at all), else the name with the
     builder: a subclass or a re-registered backend is not taught (unless it
-    is one of ``attention_admission.LOCAL_ONLY_BUILDERS``)."""
+    is one of ``attention_backends.LOCAL_ONLY_BUILDERS``)."""
     path = f"{builder_cls.__module__}.{builder_cls.__qualname__}"
     taught = TAUGHT_BACKENDS.get(backend_name)
     if taught is None or taught.builder == path:

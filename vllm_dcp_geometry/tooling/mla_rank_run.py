@@ -1,11 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""What a run of vLLM's MLA attention across DCP ranks needs outside vLLM.
+"""What a run of vLLM's MLA attention across DCP ranks needs outside vLLM,
+on any device (what a CPU lacks besides is stood in for in ``cpu_stand_ins``):
 
-- torch stand-ins for the ``vllm._C`` cache ops a CPU build lacks
-  (``concat_and_cache_mla``: the KV-cache write; ``cp_gather_cache`` and
-  ``gather_and_maybe_dequant_cache``: the context gathers), each checked
-  against the contract's slot mapping by the suite;
 - ``mla_reference``: float64 single-device MLA attention, what every rank's
   output and LSE are held to, and ``max_error``;
 - ``build_mla_layer`` and ``write_deepseek_config``: one rank's real MLA
@@ -23,63 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-# Stand-ins for the vllm._C cache ops -------------------------------------------
-
-
-def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, *a):
-    """``vllm._C`` KV write: row ``slot`` of the flattened paged cache gets
-    ``[kv_c, k_pe]``; ``PAD_SLOT_ID`` (< 0) writes nothing."""
-    import torch
-
-    assert kv_cache_dtype == "auto"
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    mine = slot_mapping >= 0
-    rows = torch.cat([kv_c, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
-    flat[slot_mapping[mine].long()] = rows[mine].to(flat.dtype)
-
-
-def _gather_rows(src_cache, block_row, start: int, count: int) -> Any:
-    import torch
-
-    tokens = torch.arange(start, start + count)
-    blocks = block_row[tokens // src_cache.shape[1]].long()
-    return src_cache[blocks, tokens % src_cache.shape[1]]
-
-
-def cp_gather_cache(
-    src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts=None
-):
-    """``vllm._C`` gather: ``dst[cu[b] + i] = cache[token starts[b] + i of
-    request b]``, tokens numbered in the rank's own (local) order."""
-    for b in range(batch_size):
-        lo, hi = int(cu_seq_lens[b]), int(cu_seq_lens[b + 1])
-        start = 0 if seq_starts is None else int(seq_starts[b])
-        dst[lo:hi] = _gather_rows(src_cache, block_table[b], start, hi - lo)
-
-
-def gather_and_maybe_dequant_cache(
-    src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
-    kv_cache_dtype, scale, seq_starts=None,
-):  # fmt: skip
-    """``vllm._C`` gather of the DCP1 context path; its kernel takes chunk
-    starts in whole blocks, so an unaligned start is an error here too."""
-    assert kv_cache_dtype == "auto"
-    for b in range(cu_seq_lens.shape[0] - 1):
-        lo, hi = int(cu_seq_lens[b]), min(int(cu_seq_lens[b + 1]), num_tokens)
-        start = 0 if seq_starts is None else int(seq_starts[b])
-        assert start % src_cache.shape[1] == 0, "unaligned chunk start"
-        if hi > lo:
-            dst[lo:hi] = _gather_rows(src_cache, block_table[b], start, hi - lo)
-
-
-STAND_IN_OPS = (
-    "concat_and_cache_mla",
-    "cp_gather_cache",
-    "gather_and_maybe_dequant_cache",
-)
-"""The ``vllm._custom_ops`` functions the stand-ins above replace on CPU."""
-
 
 # The float64 reference -----------------------------------------------------------
 

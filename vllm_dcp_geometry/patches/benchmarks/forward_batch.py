@@ -19,31 +19,24 @@ Remove when: vLLM's forward benchmark reads a per-spec DCP shard count.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from vllm_dcp_geometry.runtime.geometry import make_virtual_block_size_resolver
-from vllm_dcp_geometry.runtime.patching import (
-    UpstreamSymbol,
-    wrap_module_functions,
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
+
+PATCH = Patch(
+    upstream_module="vllm.benchmarks.forward.batch",
+    replaces=(
+        Wrap(
+            "kv_block_size",
+            "spec, dcp_size",
+            make_virtual_block_size_resolver,
+            rebind_copies=True,
+        ),
+    ),
+    relies_on=(
+        # Relied on: it calls the module's kv_block_size.
+        Pin("_num_blocks", "spec, computed, kv_len, dcp_size"),
+    ),
+    why="the forward benchmark restates block_size * D from the boolean dcp_sharded",
+    remove_when="vLLM's forward benchmark reads a per-spec DCP shard count",
+    related="none upstream: the benchmark restates the B * D rule inline",
 )
-
-UPSTREAM_MODULE = "vllm.benchmarks.forward.batch"
-RUNS_IN = "benchmark"
-WHY = "the forward benchmark restates block_size * D from the boolean dcp_sharded"
-REMOVE_WHEN = "vLLM's forward benchmark reads a per-spec DCP shard count"
-RELATED = "none upstream: the benchmark restates the B * D rule inline"
-
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(UPSTREAM_MODULE, "kv_block_size", "spec, dcp_size"),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: it calls the module's kv_block_size.
-    UpstreamSymbol(UPSTREAM_MODULE, "_num_blocks", "spec, computed, kv_len, dcp_size"),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
-
-def apply(module: ModuleType) -> None:
-    wrap_module_functions(module, {"kv_block_size": make_virtual_block_size_resolver})

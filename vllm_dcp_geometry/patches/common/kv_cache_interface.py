@@ -39,58 +39,20 @@ from vllm_dcp_geometry.contract import (
 )
 from vllm_dcp_geometry.runtime.geometry import (
     SHARD_COUNT_FIELD_NAME,
-    default_shard_count,
     explicit_shard_count,
     get_kv_cache_dcp_shard_count,
+    shard_count_unless_default,
 )
 from vllm_dcp_geometry.runtime.patching import (
-    UpstreamChangedError,
-    UpstreamSymbol,
+    Patch,
+    Pin,
+    Wrap,
     add_attribute,
     set_item,
     wrap,
 )
+from vllm_dcp_geometry.runtime.upstream_symbols import UpstreamChangedError
 
-UPSTREAM_MODULE = "vllm.v1.kv_cache_interface"
-RUNS_IN = "all"
-WHY = (
-    "vLLM 0.33.0 specs carry only the boolean dcp_sharded; partial shard counts "
-    "need a field that survives merge/replace/pickle and K-aware widths."
-)
-REMOVE_WHEN = "upstream specs carry a per-spec DCP shard count"
-RELATED = (
-    "vllm#40996 (review: move the DCP block-size rule into the spec); "
-    "vllm#48392 (draft KV under DCP)"
-)
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "AttentionSpec.__init__"),
-    UpstreamSymbol(_M, "AttentionSpec.__eq__", "self, other"),
-    UpstreamSymbol(_M, "AttentionSpec.__repr__", "self"),
-    UpstreamSymbol(
-        _M, "AttentionSpec.max_num_blocks_per_req", "self, vllm_config, max_len"
-    ),
-    UpstreamSymbol(_M, "FullAttentionSpec.max_memory_usage_bytes", "self, vllm_config"),
-    UpstreamSymbol(_M, "KVCacheSpec.merge", "cls, specs"),
-    UpstreamSymbol(_M, "FullAttentionSpec.merge", "cls, specs"),
-    UpstreamSymbol(_M, "MLAAttentionSpec.merge", "cls, specs"),
-    UpstreamSymbol(_M, "RSWASpec.merge", "cls, specs"),
-    UpstreamSymbol(_M, "SlidingWindowMLASpec.merge", "cls, specs"),
-    UpstreamSymbol(_M, "SinkFullAttentionSpec.merge", "cls, specs"),
-    UpstreamSymbol(
-        _M, "UniformTypeKVCacheSpecs.is_uniform_type", "cls, kv_cache_specs"
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "KVCacheSpec.dcp_sharded"),
-    UpstreamSymbol(_M, "AttentionSpec.dcp_sharded"),
-    UpstreamSymbol(
-        _M, "MambaSpec.max_num_blocks_per_req", "self, vllm_config, max_len"
-    ),
-    UpstreamSymbol(_M, "HiSparseHotSpec"),
-    UpstreamSymbol(_M, "HiSparseResidentSpec"),
-)
 GRAFTED_SPEC_CLASSES = (
     "FullAttentionSpec",
     "ChunkedLocalAttentionSpec",
@@ -108,24 +70,6 @@ GRAFTED_SPEC_CLASSES = (
 ``dcp_kv_shard_count`` field grafted, which regenerates its dataclass
 ``__init__``, ``__eq__`` and ``__repr__`` (subclasses defined later get the
 same through ``KVCacheSpec.__init_subclass__``)."""
-REPLACES += tuple(
-    UpstreamSymbol(_M, f"{cls}.{dunder}")
-    for cls in GRAFTED_SPEC_CLASSES
-    for dunder in ("__init__", "__eq__", "__repr__")
-)
-ADDS: tuple[str, ...] = (
-    "KVCacheSpec.__init_subclass__",
-    "AttentionSpec.dcp_kv_shard_count",
-    "KVCacheSpec.dcp_shard_count",
-    "AttentionSpec.dcp_shard_count",
-    "MambaSpec.dcp_shard_count",
-    "UniformTypeKVCacheSpecs.dcp_shard_count",
-    "HiSparseHotSpec.dcp_shard_count",
-    "HiSparseResidentSpec.dcp_shard_count",
-    "get_kv_cache_dcp_shard_count",
-)
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 @dataclass(frozen=True)
@@ -265,8 +209,8 @@ def _make_attention_width(original: Callable[..., int]) -> Callable[..., int]:
             # K follows dcp_sharded: vLLM's own rule, nothing else read.
             return original(self, vllm_config, max_len)
         dcp = vllm_config.parallel_config.decode_context_parallel_size
-        k = get_kv_cache_dcp_shard_count(self, dcp)
-        if k == default_shard_count(self, dcp):
+        k = shard_count_unless_default(self, dcp)
+        if k is None:
             return original(self, vllm_config, max_len)
         return attention_block_table_width(max_len, self.block_size, k)
 
@@ -278,8 +222,8 @@ def _make_full_attention_memory(original: Callable[..., int]) -> Callable[..., i
         if explicit_shard_count(self) is None:
             return original(self, vllm_config)
         dcp = vllm_config.parallel_config.decode_context_parallel_size
-        k = get_kv_cache_dcp_shard_count(self, dcp)
-        if k == default_shard_count(self, dcp):
+        k = shard_count_unless_default(self, dcp)
+        if k is None:
             return original(self, vllm_config)
         pages = full_attention_pages_per_request(
             vllm_config.model_config.max_model_len, self.block_size, k
@@ -357,10 +301,74 @@ def apply(module: ModuleType) -> None:
     for cls in _all_subclasses(module.KVCacheSpec):
         if "merge" in cls.__dict__:
             wrap(cls, "merge", _make_merge)
-    wrap(module.UniformTypeKVCacheSpecs, "is_uniform_type", _make_is_uniform_type)
-    wrap(attention, "max_num_blocks_per_req", _make_attention_width)
-    wrap(
-        module.FullAttentionSpec, "max_memory_usage_bytes", _make_full_attention_memory
-    )
 
     add_attribute(module, "get_kv_cache_dcp_shard_count", get_kv_cache_dcp_shard_count)
+
+
+def _merge(cls: str) -> Wrap:
+    return Wrap(f"{cls}.merge", "cls, specs")  # every subclass's, by ``apply``
+
+
+PATCH = Patch(
+    upstream_module="vllm.v1.kv_cache_interface",
+    replaces=(
+        # Regenerated dataclass methods and merges: wrapped by ``apply``.
+        Wrap("AttentionSpec.__init__"),
+        Wrap("AttentionSpec.__eq__", "self, other"),
+        Wrap("AttentionSpec.__repr__", "self"),
+        Wrap(
+            "AttentionSpec.max_num_blocks_per_req",
+            "self, vllm_config, max_len",
+            _make_attention_width,
+        ),
+        Wrap(
+            "FullAttentionSpec.max_memory_usage_bytes",
+            "self, vllm_config",
+            _make_full_attention_memory,
+        ),
+        _merge("KVCacheSpec"),
+        _merge("FullAttentionSpec"),
+        _merge("MLAAttentionSpec"),
+        _merge("RSWASpec"),
+        _merge("SlidingWindowMLASpec"),
+        _merge("SinkFullAttentionSpec"),
+        Wrap(
+            "UniformTypeKVCacheSpecs.is_uniform_type",
+            "cls, kv_cache_specs",
+            _make_is_uniform_type,
+        ),
+        *(
+            Wrap(f"{cls}.{dunder}")
+            for cls in GRAFTED_SPEC_CLASSES
+            for dunder in ("__init__", "__eq__", "__repr__")
+        ),
+    ),
+    relies_on=(
+        Pin("KVCacheSpec.dcp_sharded"),
+        Pin("AttentionSpec.dcp_sharded"),
+        Pin("MambaSpec.max_num_blocks_per_req", "self, vllm_config, max_len"),
+        Pin("HiSparseHotSpec"),
+        Pin("HiSparseResidentSpec"),
+    ),
+    adds=(
+        "KVCacheSpec.__init_subclass__",
+        "AttentionSpec.dcp_kv_shard_count",
+        "KVCacheSpec.dcp_shard_count",
+        "AttentionSpec.dcp_shard_count",
+        "MambaSpec.dcp_shard_count",
+        "UniformTypeKVCacheSpecs.dcp_shard_count",
+        "HiSparseHotSpec.dcp_shard_count",
+        "HiSparseResidentSpec.dcp_shard_count",
+        "get_kv_cache_dcp_shard_count",
+    ),
+    why=(
+        "vLLM 0.33.0 specs carry only the boolean dcp_sharded; partial shard counts "
+        "need a field that survives merge/replace/pickle and K-aware widths."
+    ),
+    remove_when="upstream specs carry a per-spec DCP shard count",
+    related=(
+        "vllm#40996 (review: move the DCP block-size rule into the spec); "
+        "vllm#48392 (draft KV under DCP)"
+    ),
+    apply=apply,
+)

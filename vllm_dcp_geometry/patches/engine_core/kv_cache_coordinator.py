@@ -25,7 +25,6 @@ Remove when: vLLM's coordinators validate per-spec DCP shard counts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import (
@@ -33,17 +32,10 @@ from vllm_dcp_geometry.contract import (
     check_prefill_context_parallel,
 )
 from vllm_dcp_geometry.runtime.geometry import (
-    default_shard_count,
-    get_kv_cache_dcp_shard_count,
-    group_name,
+    kv_cache_group_name,
+    shard_count_unless_default,
 )
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.core.kv_cache_coordinator"
-RUNS_IN = "engine_core"
-WHY = "admission of DCP groups is decided from the boolean dcp_sharded"
-REMOVE_WHEN = "vLLM coordinators validate per-spec DCP shard counts"
-RELATED = "none upstream: admission reads only dcp_sharded"
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 _INIT_PARAMETERS = (
     "self, kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, "
@@ -51,16 +43,6 @@ _INIT_PARAMETERS = (
     "scheduler_block_size, hash_block_size, metrics_collector=, "
     "num_prefill_lookahead=, num_hash_lookahead_tokens="
 )
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(UPSTREAM_MODULE, "KVCacheCoordinator.__init__", _INIT_PARAMETERS),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: its DCP admission check is left to run for upstream geometry.
-    UpstreamSymbol(UPSTREAM_MODULE, "HybridKVCacheCoordinator.__init__"),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def check_groups_admissible(
@@ -74,9 +56,9 @@ def check_groups_admissible(
 
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
-        owner = group_name(group.layer_names, index)
-        k = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
-        if k == default_shard_count(spec, dcp_world_size):
+        owner = kv_cache_group_name(group.layer_names, index)
+        k = shard_count_unless_default(spec, dcp_world_size, owner=owner)
+        if k is None:
             continue
         layers = (
             list(spec.kv_cache_specs.values())
@@ -133,5 +115,14 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module.KVCacheCoordinator, "__init__", _make_init)
+PATCH = Patch(
+    upstream_module="vllm.v1.core.kv_cache_coordinator",
+    replaces=(Wrap("KVCacheCoordinator.__init__", _INIT_PARAMETERS, _make_init),),
+    relies_on=(
+        # Relied on: its DCP admission check is left to run for upstream geometry.
+        Pin("HybridKVCacheCoordinator.__init__"),
+    ),
+    why="admission of DCP groups is decided from the boolean dcp_sharded",
+    remove_when="vLLM coordinators validate per-spec DCP shard counts",
+    related="none upstream: admission reads only dcp_sharded",
+)

@@ -28,36 +28,14 @@ Remove when: vLLM plans KV memory from a per-spec DCP shard count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.runtime.geometry import (
-    default_shard_count,
     explicit_shard_count,
-    get_kv_cache_dcp_shard_count,
+    shard_count_unless_default,
 )
-from vllm_dcp_geometry.runtime.patching import (
-    UpstreamSymbol,
-    wrap_module_functions,
-)
+from vllm_dcp_geometry.runtime.patching import Patch, Wrap
 from vllm_dcp_geometry.runtime.spec_overrides import check_applied
-
-UPSTREAM_MODULE = "vllm.v1.core.kv_cache_planning"
-RUNS_IN = "engine_core"
-WHY = "KV memory planning splits and deduplicates layers by the boolean dcp_sharded"
-REMOVE_WHEN = "vLLM plans KV memory from a per-spec DCP shard count"
-RELATED = "none upstream: planning keys on the boolean dcp_sharded"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "unify_hybrid_kv_cache_specs", "kv_cache_spec"),
-    UpstreamSymbol(_M, "_layer_tp_replicas", "spec, tp_size, dcp_size"),
-    UpstreamSymbol(_M, "get_global_kv_cache_groups", "vllm_config, kv_cache_specs"),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = ()
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_unify(original: Callable[[dict[str, Any]], None]) -> Callable[..., None]:
@@ -84,8 +62,8 @@ def _make_layer_tp_replicas(
     def _layer_tp_replicas(spec: Any, tp_size: int, dcp_size: int) -> int:
         if not isinstance(spec, AttentionSpec):
             return original(spec, tp_size, dcp_size)
-        k = get_kv_cache_dcp_shard_count(spec, dcp_size)
-        if k == default_shard_count(spec, dcp_size) or k > 1:
+        k = shard_count_unless_default(spec, dcp_size)
+        if k is None or k > 1:
             return original(spec, tp_size, dcp_size)
         # K = 1: every DCP rank holds the same tokens, as for a replicated spec.
         return original(spec, tp_size, 1)
@@ -105,12 +83,31 @@ def _make_get_global_kv_cache_groups(
     return get_global_kv_cache_groups
 
 
-def apply(module: ModuleType) -> None:
-    wrap_module_functions(
-        module,
-        {
-            "unify_hybrid_kv_cache_specs": _make_unify,
-            "_layer_tp_replicas": _make_layer_tp_replicas,
-            "get_global_kv_cache_groups": _make_get_global_kv_cache_groups,
-        },
-    )
+PATCH = Patch(
+    upstream_module="vllm.v1.core.kv_cache_planning",
+    replaces=(
+        Wrap(
+            "unify_hybrid_kv_cache_specs",
+            "kv_cache_spec",
+            _make_unify,
+            rebind_copies=True,
+        ),
+        Wrap(
+            "_layer_tp_replicas",
+            "spec, tp_size, dcp_size",
+            _make_layer_tp_replicas,
+            rebind_copies=True,
+        ),
+        Wrap(
+            "get_global_kv_cache_groups",
+            "vllm_config, kv_cache_specs",
+            _make_get_global_kv_cache_groups,
+            rebind_copies=True,
+        ),
+    ),
+    why=(
+        "KV memory planning splits and deduplicates layers by the boolean dcp_sharded"
+    ),
+    remove_when="vLLM plans KV memory from a per-spec DCP shard count",
+    related="none upstream: planning keys on the boolean dcp_sharded",
+)

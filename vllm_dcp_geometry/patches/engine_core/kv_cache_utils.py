@@ -27,70 +27,18 @@ Remove when: vLLM derives block spans from a per-spec DCP shard count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.runtime.geometry import (
-    differs_from_default,
     group_shard_counts,
     make_virtual_block_size_resolver,
+    shard_count_unless_default,
 )
-from vllm_dcp_geometry.runtime.hand_back import groups_follow_vllm_default
-from vllm_dcp_geometry.runtime.patching import (
-    UpstreamSymbol,
-    wrap_module_functions,
+from vllm_dcp_geometry.runtime.hand_back import (
+    config_with_dcp_size,
+    groups_follow_vllm_default,
 )
-
-UPSTREAM_MODULE = "vllm.v1.core.kv_cache_utils"
-RUNS_IN = "engine_core"
-WHY = (
-    "scheduler and hashing block sizes restate B * D from the boolean "
-    "dcp_sharded; they must use each group's shard count K"
-)
-REMOVE_WHEN = "vLLM resolves DCP block spans through a per-spec shard count"
-RELATED = "vllm#40996 (review: the B * D rule is spread across the code base)"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "resolve_dcp_kv_block_size", "spec, dcp_world_size"),
-    UpstreamSymbol(_M, "resolve_kv_cache_block_sizes", "kv_cache_config, vllm_config"),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: they call the module's resolve_dcp_kv_block_size.
-    UpstreamSymbol(_M, "resolve_dcp_kv_cache_spec", "spec, dcp_world_size"),
-    UpstreamSymbol(
-        _M,
-        "partial_hash_hits_enabled",
-        "kv_cache_groups, hash_block_size, dcp_world_size=, manager_classes=",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
-
-class _ParallelConfigView:
-    """A parallel config that reports another DCP size; all else delegates."""
-
-    def __init__(self, parallel_config: Any, dcp_world_size: int) -> None:
-        self._parallel_config = parallel_config
-        self.decode_context_parallel_size = dcp_world_size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._parallel_config, name)
-
-
-class _VllmConfigView:
-    """A vLLM config whose parallel config reports a group's K as DCP size."""
-
-    def __init__(self, vllm_config: Any, dcp_world_size: int) -> None:
-        self._vllm_config = vllm_config
-        self.parallel_config = _ParallelConfigView(
-            vllm_config.parallel_config, dcp_world_size
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._vllm_config, name)
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 
 def _make_resolve_kv_cache_block_sizes(
@@ -110,18 +58,44 @@ def _make_resolve_kv_cache_block_sizes(
         # Several groups: the LCM runs over resolve_dcp_kv_block_size, which is
         # K-aware. One group: the original reads D and the group's flag itself,
         # so it runs against the group's geometry.
-        if len(groups) != 1 or not differs_from_default(groups[0].kv_cache_spec, dcp):
+        if (
+            len(groups) != 1
+            or shard_count_unless_default(groups[0].kv_cache_spec, dcp) is None
+        ):
             return original(kv_cache_config, vllm_config)
-        return original(kv_cache_config, _VllmConfigView(vllm_config, counts[0]))
+        return original(kv_cache_config, config_with_dcp_size(vllm_config, counts[0]))
 
     return resolve_kv_cache_block_sizes
 
 
-def apply(module: ModuleType) -> None:
-    wrap_module_functions(
-        module,
-        {
-            "resolve_dcp_kv_block_size": make_virtual_block_size_resolver,
-            "resolve_kv_cache_block_sizes": _make_resolve_kv_cache_block_sizes,
-        },
-    )
+PATCH = Patch(
+    upstream_module="vllm.v1.core.kv_cache_utils",
+    replaces=(
+        Wrap(
+            "resolve_dcp_kv_block_size",
+            "spec, dcp_world_size",
+            make_virtual_block_size_resolver,
+            rebind_copies=True,
+        ),
+        Wrap(
+            "resolve_kv_cache_block_sizes",
+            "kv_cache_config, vllm_config",
+            _make_resolve_kv_cache_block_sizes,
+            rebind_copies=True,
+        ),
+    ),
+    relies_on=(
+        # Relied on: they call the module's resolve_dcp_kv_block_size.
+        Pin("resolve_dcp_kv_cache_spec", "spec, dcp_world_size"),
+        Pin(
+            "partial_hash_hits_enabled",
+            "kv_cache_groups, hash_block_size, dcp_world_size=, manager_classes=",
+        ),
+    ),
+    why=(
+        "scheduler and hashing block sizes restate B * D from the boolean "
+        "dcp_sharded; they must use each group's shard count K"
+    ),
+    remove_when="vLLM resolves DCP block spans through a per-spec shard count",
+    related="vllm#40996 (review: the B * D rule is spread across the code base)",
+)

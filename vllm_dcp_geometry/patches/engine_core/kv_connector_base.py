@@ -30,35 +30,15 @@ Remove when: vLLM connectors read a per-spec DCP shard count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.runtime.geometry import (
-    default_shard_count,
-    get_kv_cache_dcp_shard_count,
-    group_name,
+    kv_cache_group_name,
+    shard_count_unless_default,
 )
 from vllm_dcp_geometry.runtime.hand_back import groups_follow_vllm_default
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
-RUNS_IN = "engine_core"
-WHY = "several KV connectors restate block_size * D from the boolean dcp_sharded"
-REMOVE_WHEN = "vLLM KV connectors read a per-spec DCP shard count"
-RELATED = "vllm#50611 (NIXL DCP for MLA assumes K in {1, D} per side)"
-
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        UPSTREAM_MODULE,
-        "KVConnectorBase_V1.__init__",
-        "self, vllm_config, role, kv_cache_config",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = ()
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Wrap
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 SHARD_COUNT_AWARE_CONNECTORS: frozenset[str] = frozenset(
@@ -77,9 +57,9 @@ def deviating_groups(kv_cache_config: Any, dcp_world_size: int) -> list[str]:
     found = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        owner = group_name(group.layer_names, index)
-        k = get_kv_cache_dcp_shard_count(spec, dcp_world_size, owner=owner)
-        if k != default_shard_count(spec, dcp_world_size):
+        owner = kv_cache_group_name(group.layer_names, index)
+        k = shard_count_unless_default(spec, dcp_world_size, owner=owner)
+        if k is not None:
             found.append(f"{owner}: K={k}")
     return found
 
@@ -123,5 +103,16 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module.KVConnectorBase_V1, "__init__", _make_init)
+PATCH = Patch(
+    upstream_module="vllm.distributed.kv_transfer.kv_connector.v1.base",
+    replaces=(
+        Wrap(
+            "KVConnectorBase_V1.__init__",
+            "self, vllm_config, role, kv_cache_config",
+            _make_init,
+        ),
+    ),
+    why="several KV connectors restate block_size * D from the boolean dcp_sharded",
+    remove_when="vLLM KV connectors read a per-spec DCP shard count",
+    related="vllm#50611 (NIXL DCP for MLA assumes K in {1, D} per side)",
+)

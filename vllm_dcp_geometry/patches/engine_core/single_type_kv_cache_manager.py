@@ -24,36 +24,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import check_prefill_context_parallel
 from vllm_dcp_geometry.runtime.geometry import (
-    default_shard_count,
-    get_kv_cache_dcp_shard_count,
-    group_name,
+    kv_cache_group_name,
+    shard_count_unless_default,
 )
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.core.single_type_kv_cache_manager"
-RUNS_IN = "engine_core"
-WHY = "managers scale block_size by D from the boolean dcp_sharded, not by K"
-REMOVE_WHEN = "vLLM managers read a per-spec DCP shard count"
-RELATED = "vllm#40996 (Mamba managers undo the DCP block-size scaling)"
-
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        UPSTREAM_MODULE,
-        "SingleTypeKVCacheManager.__init__",
-        "self, kv_cache_spec, block_pool, enable_caching, kv_cache_group_id, "
-        "scheduler_block_size, dcp_world_size=, pcp_world_size=, "
-        "needs_kv_cache_zeroing=, max_admission_blocks_per_request=",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = ()
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Wrap
 
 
 def _make_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -63,9 +41,9 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
         bound = signature.bind(self, *args, **kwargs)
         spec = bound.arguments["kv_cache_spec"]
         dcp = bound.arguments.get("dcp_world_size", 1)
-        owner = group_name(index=bound.arguments.get("kv_cache_group_id"))
-        k = get_kv_cache_dcp_shard_count(spec, dcp, owner=owner)
-        if k == default_shard_count(spec, dcp):
+        owner = kv_cache_group_name(index=bound.arguments.get("kv_cache_group_id"))
+        k = shard_count_unless_default(spec, dcp, owner=owner)
+        if k is None:
             original(self, *args, **kwargs)
             return
         check_prefill_context_parallel(
@@ -79,5 +57,18 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module.SingleTypeKVCacheManager, "__init__", _make_init)
+PATCH = Patch(
+    upstream_module="vllm.v1.core.single_type_kv_cache_manager",
+    replaces=(
+        Wrap(
+            "SingleTypeKVCacheManager.__init__",
+            "self, kv_cache_spec, block_pool, enable_caching, kv_cache_group_id, "
+            "scheduler_block_size, dcp_world_size=, pcp_world_size=, "
+            "needs_kv_cache_zeroing=, max_admission_blocks_per_request=",
+            _make_init,
+        ),
+    ),
+    why="managers scale block_size by D from the boolean dcp_sharded, not by K",
+    remove_when="vLLM managers read a per-spec DCP shard count",
+    related="vllm#40996 (Mamba managers undo the DCP block-size scaling)",
+)

@@ -31,48 +31,8 @@ from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.runtime.geometry import BlockTableLayout
-from vllm_dcp_geometry.runtime.group_context import TAKEN_LAYOUT_ATTR, pending_layout
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.worker.block_table"
-RUNS_IN = "worker"
-WHY = (
-    "vLLM 0.33.0 V1 block tables use the global DCP size and rank for every "
-    "cache group, so replicated groups get sharded slot mappings and partial "
-    "groups cannot exist."
-)
-REMOVE_WHEN = "vLLM's V1 block tables take the DCP shard count per cache group"
-RELATED = "vllm#40996 (DCP with hybrid attention in Model Runner V1 block tables)"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "BlockTable.__init__",
-        "self, block_size, max_num_reqs, max_num_blocks_per_req, "
-        "max_num_batched_tokens, pin_memory, device, cp_kv_cache_interleave_size, "
-        "slot_mapping_mode=",
-    ),
-    UpstreamSymbol(
-        _M,
-        "MultiGroupBlockTable.__init__",
-        "self, max_num_reqs, max_num_batched_tokens, pin_memory, device, "
-        "block_sizes, max_num_blocks, cp_kv_cache_interleave_size=, "
-        "slot_mapping_modes=",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Read, not replaced: the geometry feeds these.
-    UpstreamSymbol(
-        _M, "get_block_table_width", "max_num_blocks, block_size, *, token_alignment="
-    ),
-    UpstreamSymbol(_M, "_COMPUTE_SLOT_MAPPING_KERNEL"),
-    UpstreamSymbol(_M, "SlotMappingMode"),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.gpu_model_runner",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
+from vllm_dcp_geometry.runtime.group_context import LAYOUT_ATTR, pending_layout
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 # Wrappers ------------------------------------------------------------------------
 
@@ -186,11 +146,46 @@ def _make_multi_group_init(
             )
             for index, table in enumerate(layout.tables)
         ]
-        setattr(self, TAKEN_LAYOUT_ATTR, layout)
+        setattr(self, LAYOUT_ATTR, layout)
 
     return __init__
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module.BlockTable, "__init__", _make_block_table_init, module)
-    wrap(module.MultiGroupBlockTable, "__init__", _make_multi_group_init, module)
+PATCH = Patch(
+    upstream_module="vllm.v1.worker.block_table",
+    replaces=(
+        Wrap(
+            "BlockTable.__init__",
+            "self, block_size, max_num_reqs, max_num_blocks_per_req, "
+            "max_num_batched_tokens, pin_memory, device, cp_kv_cache_interleave_size, "
+            "slot_mapping_mode=",
+            _make_block_table_init,
+            with_module=True,
+        ),
+        Wrap(
+            "MultiGroupBlockTable.__init__",
+            "self, max_num_reqs, max_num_batched_tokens, pin_memory, device, "
+            "block_sizes, max_num_blocks, cp_kv_cache_interleave_size=, "
+            "slot_mapping_modes=",
+            _make_multi_group_init,
+            with_module=True,
+        ),
+    ),
+    relies_on=(
+        # Read, not replaced: the geometry feeds these.
+        Pin(
+            "get_block_table_width",
+            "max_num_blocks, block_size, *, token_alignment=",
+        ),
+        Pin("_COMPUTE_SLOT_MAPPING_KERNEL"),
+        Pin("SlotMappingMode"),
+    ),
+    remove_with=("worker.gpu_model_runner",),
+    why=(
+        "vLLM 0.33.0 V1 block tables use the global DCP size and rank for every "
+        "cache group, so replicated groups get sharded slot mappings and partial "
+        "groups cannot exist."
+    ),
+    remove_when="vLLM's V1 block tables take the DCP shard count per cache group",
+    related="vllm#40996 (DCP with hybrid attention in Model Runner V1 block tables)",
+)

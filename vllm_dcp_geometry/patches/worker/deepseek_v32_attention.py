@@ -50,51 +50,11 @@ from vllm_dcp_geometry.contract.layer_classes import (
 )
 from vllm_dcp_geometry.runtime.group_context import use_indexer_geometry
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR, check_rebind
-from vllm_dcp_geometry.runtime.patching import (
-    UpstreamSymbol,
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap, set_item
+from vllm_dcp_geometry.runtime.upstream_symbols import (
     require_class_path,
     require_global_call,
-    set_item,
-    wrap,
 )
-
-UPSTREAM_MODULE = "vllm.models.deepseek_v32.attention"
-RUNS_IN = "worker"
-WHY = (
-    "DeepSeek-V3.2's layer hands its indexer the global DCP world; a "
-    "replicated or partial indexer cache needs its own (K, r % K)."
-)
-REMOVE_WHEN = "the layer passes its indexer cache's DCP geometry"
-RELATED = "none upstream: the layer reads the parallel config's DCP size"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "sparse_attn_indexer",
-        "hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights, "
-        "quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len, "
-        "total_seq_lens, topk_indices_buffer, skip_k_cache_insert, use_pcp, "
-        "pcp_shard_decode_requests, dense_mha_metadata_layer_name, "
-        "use_fp4_cache=, dcp_rank=, dcp_world_size=, cp_kv_cache_interleave_size=, "
-        "skip_topk_buffer_clear=, candidate_blocks=, candidate_block_size=, "
-        "candidate_write=, topk_backend=",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the layer calls the name above with its indexer cache's
-    # prefix and passes dcp_rank / dcp_world_size by keyword; it gates the
-    # query gather and combine on impl.dcp_world_size.
-    UpstreamSymbol(
-        _M,
-        "DeepseekV32Attention._sparse_indexer_and_attn",
-        "self, positions, q_c, q_nope, q_pe, index_q_fp8, index_k, "
-        "index_weights_out, kv_c, k_pe, ql_nope, mqa_q, output",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.sparse_attn_indexer",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 _bound_caches: list[str] = []
 """Names of the indexer caches bound in this process (empty: hand-back)."""
@@ -146,9 +106,45 @@ def apply(module: ModuleType) -> None:
     require_global_call(
         module, "DeepseekV32Attention._sparse_indexer_and_attn", "sparse_attn_indexer"
     )
-    wrap(module, "sparse_attn_indexer", _make_sparse_attn_indexer)
     set_item(
         LAYER_BINDERS,
         LayerBinding.SPARSE_INDEXER_CACHE,
         (__name__, bind_indexer_cache),
     )
+
+
+PATCH = Patch(
+    upstream_module="vllm.models.deepseek_v32.attention",
+    replaces=(
+        Wrap(
+            "sparse_attn_indexer",
+            "hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights, "
+            "quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len, "
+            "total_seq_lens, topk_indices_buffer, skip_k_cache_insert, use_pcp, "
+            "pcp_shard_decode_requests, dense_mha_metadata_layer_name, "
+            "use_fp4_cache=, dcp_rank=, dcp_world_size=, "
+            "cp_kv_cache_interleave_size=, skip_topk_buffer_clear=, "
+            "candidate_blocks=, candidate_block_size=, candidate_write=, "
+            "topk_backend=",
+            _make_sparse_attn_indexer,
+        ),
+    ),
+    relies_on=(
+        # Relied on: the layer calls the name above with its indexer cache's
+        # prefix and passes dcp_rank / dcp_world_size by keyword; it gates the
+        # query gather and combine on impl.dcp_world_size.
+        Pin(
+            "DeepseekV32Attention._sparse_indexer_and_attn",
+            "self, positions, q_c, q_nope, q_pe, index_q_fp8, index_k, "
+            "index_weights_out, kv_c, k_pe, ql_nope, mqa_q, output",
+        ),
+    ),
+    remove_with=("worker.sparse_attn_indexer",),
+    why=(
+        "DeepSeek-V3.2's layer hands its indexer the global DCP world; a "
+        "replicated or partial indexer cache needs its own (K, r % K)."
+    ),
+    remove_when="the layer passes its indexer cache's DCP geometry",
+    related="none upstream: the layer reads the parallel config's DCP size",
+    apply=apply,
+)

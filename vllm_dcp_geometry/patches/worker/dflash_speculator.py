@@ -28,36 +28,14 @@ Remove when: the DFlash kernels take the draft group's shard count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError
-from vllm_dcp_geometry.runtime.geometry import get_kv_cache_dcp_shard_count, group_name
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
-RUNS_IN = "worker"
-WHY = (
-    "DFlash-family speculators compute draft slots with CP_SIZE = their own "
-    "dcp_size, which only matches a draft group whose K is that size."
+from vllm_dcp_geometry.runtime.geometry import (
+    get_kv_cache_dcp_shard_count,
+    kv_cache_group_name,
 )
-REMOVE_WHEN = "the DFlash slot kernels take each draft group's DCP shard count"
-RELATED = "vllm#48392 (dense DFlash/DSpark drafts under DCP)"
-
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        UPSTREAM_MODULE,
-        "DFlashSpeculator.set_attn",
-        "self, model_state, kv_cache_config, block_tables, target_input_buffers, "
-        "target_attn_groups",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(UPSTREAM_MODULE, "prepare_dflash_inputs"),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 
 def check_draft_group_geometry(
@@ -69,7 +47,7 @@ def check_draft_group_geometry(
     """Every draft group's K must be the ``CP_SIZE`` of the DFlash kernel."""
     for gid in draft_group_ids:
         group = kv_cache_config.kv_cache_groups[gid]
-        owner = group_name(group.layer_names, gid)
+        owner = kv_cache_group_name(group.layer_names, gid)
         k = get_kv_cache_dcp_shard_count(
             group.kv_cache_spec, target_dcp_size, owner=owner
         )
@@ -91,7 +69,9 @@ def draft_groups_replicated(
         get_kv_cache_dcp_shard_count(
             kv_cache_config.kv_cache_groups[gid].kv_cache_spec,
             target_dcp_size,
-            owner=group_name(kv_cache_config.kv_cache_groups[gid].layer_names, gid),
+            owner=kv_cache_group_name(
+                kv_cache_config.kv_cache_groups[gid].layer_names, gid
+            ),
         )
         for gid in draft_group_ids
     ]
@@ -133,5 +113,21 @@ def _make_set_attn(original: Callable[..., None]) -> Callable[..., None]:
     return set_attn
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module.DFlashSpeculator, "set_attn", _make_set_attn)
+PATCH = Patch(
+    upstream_module="vllm.v1.worker.gpu.spec_decode.dflash.speculator",
+    replaces=(
+        Wrap(
+            "DFlashSpeculator.set_attn",
+            "self, model_state, kv_cache_config, block_tables, target_input_buffers, "
+            "target_attn_groups",
+            _make_set_attn,
+        ),
+    ),
+    relies_on=(Pin("prepare_dflash_inputs"),),
+    why=(
+        "DFlash-family speculators compute draft slots with CP_SIZE = their own "
+        "dcp_size, which only matches a draft group whose K is that size."
+    ),
+    remove_when="the DFlash slot kernels take each draft group's DCP shard count",
+    related="vllm#48392 (dense DFlash/DSpark drafts under DCP)",
+)

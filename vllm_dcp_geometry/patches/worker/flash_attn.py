@@ -47,69 +47,15 @@ Remove when: upstream FlashAttention takes a per-group shard count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.runtime.group_context import current_group_geometry
-from vllm_dcp_geometry.runtime.metadata_builders import BuilderTeaching, builder_init
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.attention.backends.flash_attn"
-RUNS_IN = "worker"
-WHY = (
-    "FlashAttention builders take DCP (D, r) from the boolean dcp_sharded and "
-    "impls take the global D; partial and replicated groups need (K, r % K), "
-    "local attention for K = 1 and an exact LSE combine for 1 < K < D."
+from vllm_dcp_geometry.runtime.metadata_builders import (
+    BuilderTeaching,
+    builder_init,
+    group_world_getter,
 )
-REMOVE_WHEN = "upstream FlashAttention takes a per-group DCP shard count"
-RELATED = (
-    "vllm#48392 (dense drafts: the DCP query all-gather needs replicated KV heads)"
-)
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "get_dcp_world_size_and_rank", "enabled="),
-    UpstreamSymbol(
-        _M,
-        "FlashAttentionMetadataBuilder.__init__",
-        "self, kv_cache_spec, layer_names, vllm_config, device",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # The single-device path keeps sinks and mask_mods (admission lets K = 1
-    # layers that use them run; tests/test_attention_features pins it).
-    UpstreamSymbol(_M, "FlashAttentionImpl.forward"),
-    # Relied on: the builder reads its geometry and head count from these.
-    UpstreamSymbol(
-        _M,
-        "FlashAttentionMetadataBuilder.build",
-        "self, common_prefix_len, common_attn_metadata, fast_build=",
-    ),
-    UpstreamSymbol(
-        _M,
-        "FlashAttentionMetadataBuilder._get_scheduler_metadata",
-        "self, *, aot_schedule, batch_size, cu_query_lens, max_query_len, "
-        "seqlens, max_seq_len, causal, max_num_splits",
-    ),
-    UpstreamSymbol(_M, "FlashAttentionImpl._forward_with_dcp"),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
-
-def _make_dcp_world_size_and_rank(
-    original: Callable[..., tuple[int, int]],
-) -> Callable[..., tuple[int, int]]:
-    def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
-        geometry = current_group_geometry()
-        if geometry is None or not enabled:
-            return original(enabled)
-        return geometry.shard_world
-
-    return get_dcp_world_size_and_rank
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 
 def _scale_gathered_heads(
@@ -130,8 +76,45 @@ BUILDER_TEACHING = BuilderTeaching(
 )
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module, "get_dcp_world_size_and_rank", _make_dcp_world_size_and_rank)
-    wrap(
-        module.FlashAttentionMetadataBuilder, "__init__", builder_init(BUILDER_TEACHING)
-    )
+PATCH = Patch(
+    upstream_module="vllm.v1.attention.backends.flash_attn",
+    replaces=(
+        # The builder is constructed with the group active wherever K is not
+        # vLLM's own, and then takes the group's shard world.
+        Wrap(
+            "get_dcp_world_size_and_rank",
+            "enabled=",
+            group_world_getter(lambda geometry: True),
+        ),
+        Wrap(
+            "FlashAttentionMetadataBuilder.__init__",
+            "self, kv_cache_spec, layer_names, vllm_config, device",
+            builder_init(BUILDER_TEACHING),
+        ),
+    ),
+    relies_on=(
+        # The single-device path keeps sinks and mask_mods (admission lets K = 1
+        # layers that use them run; tests/test_attention_features pins it).
+        Pin("FlashAttentionImpl.forward"),
+        # Relied on: the builder reads its geometry and head count from these.
+        Pin(
+            "FlashAttentionMetadataBuilder.build",
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
+        ),
+        Pin(
+            "FlashAttentionMetadataBuilder._get_scheduler_metadata",
+            "self, *, aot_schedule, batch_size, cu_query_lens, max_query_len, "
+            "seqlens, max_seq_len, causal, max_num_splits",
+        ),
+        Pin("FlashAttentionImpl._forward_with_dcp"),
+    ),
+    why=(
+        "FlashAttention builders take DCP (D, r) from the boolean dcp_sharded and "
+        "impls take the global D; partial and replicated groups need (K, r % K), "
+        "local attention for K = 1 and an exact LSE combine for 1 < K < D."
+    ),
+    remove_when="upstream FlashAttention takes a per-group DCP shard count",
+    related=(
+        "vllm#48392 (dense drafts: the DCP query all-gather needs replicated KV heads)"
+    ),
+)

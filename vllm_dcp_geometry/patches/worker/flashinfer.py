@@ -40,7 +40,6 @@ Remove when: upstream FlashInfer takes a per-group DCP shard count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
@@ -52,65 +51,10 @@ from vllm_dcp_geometry.runtime.metadata_builders import (
     bound_partial_geometry,
     builder_init,
     group_local_seq_lens,
+    group_world_getter,
     make_partial_group_build,
 )
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.attention.backends.flashinfer"
-RUNS_IN = "worker"
-WHY = (
-    "FlashInfer builders take DCP (D, r) from the boolean dcp_sharded, trtllm "
-    "decode reads the global local sequence lengths and every combine spans "
-    "the D ranks; partial and replicated groups need their own geometry."
-)
-REMOVE_WHEN = "upstream FlashInfer takes a per-group DCP shard count"
-RELATED = "none upstream: FlashInfer takes DCP from the boolean dcp_sharded"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "get_dcp_world_size_and_rank", "enabled="),
-    UpstreamSymbol(
-        _M,
-        "get_dcp_local_seq_lens",
-        "seq_lens, dcp_size=, dcp_rank=, cp_kv_cache_interleave_size=",
-    ),
-    UpstreamSymbol(
-        _M,
-        "FlashInferMetadataBuilder.__init__",
-        "self, kv_cache_spec, layer_names, vllm_config, device",
-    ),
-    UpstreamSymbol(
-        _M,
-        "FlashInferMetadataBuilder.build",
-        "self, common_prefix_len, common_attn_metadata, fast_build=",
-    ),
-    UpstreamSymbol(
-        _M, "FlashInferMetadataBuilder._get_prefill_wrapper", "self, causal="
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the prefill wrapper keeps its combine in ``_dcp_combine``.
-    UpstreamSymbol(
-        _M,
-        "BatchDCPPrefillWrapper.__init__",
-        "self, kv_layout, workspace_buffer=, dcp_a2a=, use_trtllm_context=",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
-
-def _make_dcp_world_size_and_rank(
-    original: Callable[..., tuple[int, int]],
-) -> Callable[..., tuple[int, int]]:
-    def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
-        geometry = current_group_geometry()
-        if geometry is None or not enabled or not geometry.is_replicated:
-            return original(enabled)
-        return geometry.shard_world
-
-    return get_dcp_world_size_and_rank
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 
 def _make_local_seq_lens(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -181,10 +125,49 @@ def _make_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any
     return _get_prefill_wrapper
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module, "get_dcp_world_size_and_rank", _make_dcp_world_size_and_rank)
-    wrap(module, "get_dcp_local_seq_lens", _make_local_seq_lens)
-    builder = module.FlashInferMetadataBuilder
-    wrap(builder, "__init__", builder_init(BUILDER_TEACHING))
-    wrap(builder, "build", make_partial_group_build)
-    wrap(builder, "_get_prefill_wrapper", _make_get_prefill_wrapper)
+PATCH = Patch(
+    upstream_module="vllm.v1.attention.backends.flashinfer",
+    replaces=(
+        # Only a replicated group's builder is constructed in its world; a
+        # partial one keeps D (build runs with the group active, see above).
+        Wrap(
+            "get_dcp_world_size_and_rank",
+            "enabled=",
+            group_world_getter(lambda geometry: geometry.is_replicated),
+        ),
+        Wrap(
+            "get_dcp_local_seq_lens",
+            "seq_lens, dcp_size=, dcp_rank=, cp_kv_cache_interleave_size=",
+            _make_local_seq_lens,
+        ),
+        Wrap(
+            "FlashInferMetadataBuilder.__init__",
+            "self, kv_cache_spec, layer_names, vllm_config, device",
+            builder_init(BUILDER_TEACHING),
+        ),
+        Wrap(
+            "FlashInferMetadataBuilder.build",
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
+            make_partial_group_build,
+        ),
+        Wrap(
+            "FlashInferMetadataBuilder._get_prefill_wrapper",
+            "self, causal=",
+            _make_get_prefill_wrapper,
+        ),
+    ),
+    relies_on=(
+        # Relied on: the prefill wrapper keeps its combine in ``_dcp_combine``.
+        Pin(
+            "BatchDCPPrefillWrapper.__init__",
+            "self, kv_layout, workspace_buffer=, dcp_a2a=, use_trtllm_context=",
+        ),
+    ),
+    why=(
+        "FlashInfer builders take DCP (D, r) from the boolean dcp_sharded, trtllm "
+        "decode reads the global local sequence lengths and every combine spans "
+        "the D ranks; partial and replicated groups need their own geometry."
+    ),
+    remove_when="upstream FlashInfer takes a per-group DCP shard count",
+    related="none upstream: FlashInfer takes DCP from the boolean dcp_sharded",
+)

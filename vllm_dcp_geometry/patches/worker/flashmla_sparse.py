@@ -26,54 +26,12 @@ relies on). Remove when: vLLM's sparse MLA takes a per-group DCP shard count.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.runtime.group_geometry import resolve_group_geometry
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.attention.backends.mla.flashmla_sparse"
-RUNS_IN = "worker"
-WHY = (
-    "FlashMLA's sparse builder refuses DCP configurations on the parallel "
-    "config's DCP size, for limits of the gathered query a replicated group "
-    "never gathers."
-)
-REMOVE_WHEN = "vLLM's sparse MLA takes a per-group DCP shard count"
-RELATED = "none upstream: the builder reads the parallel config's DCP size"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "FlashMLASparseMetadataBuilder.__init__",
-        "self, kv_cache_spec, layer_names, vllm_config, device",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the mixed-batch path filters the top-k with the impl's own
-    # dcp_world_size and dcp_rank (bound per group).
-    UpstreamSymbol(
-        _M,
-        "FlashMLASparseImpl._forward_fp8_kv_mixed_batch",
-        "self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, kernel_metadata=",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.sparse_mla_attention",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
-
-def dcp1_config_view(vllm_config: Any) -> Any:
-    """A shallow copy of ``vllm_config`` whose parallel config says DCP 1;
-    everything else (the forward context included) is shared."""
-    parallel_config = copy.copy(vllm_config.parallel_config)
-    object.__setattr__(parallel_config, "decode_context_parallel_size", 1)
-    view = copy.copy(vllm_config)
-    object.__setattr__(view, "parallel_config", parallel_config)
-    return view
+from vllm_dcp_geometry.runtime.hand_back import config_with_dcp_size
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 
 def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -86,11 +44,36 @@ def _make_builder_init(original: Callable[..., None]) -> Callable[..., None]:
     ) -> None:
         geometry = resolve_group_geometry(kv_cache_spec, layer_names, vllm_config)
         if geometry is not None and geometry.is_replicated:
-            vllm_config = dcp1_config_view(vllm_config)
+            vllm_config = config_with_dcp_size(vllm_config, 1)
         original(self, kv_cache_spec, layer_names, vllm_config, device)
 
     return __init__
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module.FlashMLASparseMetadataBuilder, "__init__", _make_builder_init)
+PATCH = Patch(
+    upstream_module="vllm.v1.attention.backends.mla.flashmla_sparse",
+    replaces=(
+        Wrap(
+            "FlashMLASparseMetadataBuilder.__init__",
+            "self, kv_cache_spec, layer_names, vllm_config, device",
+            _make_builder_init,
+        ),
+    ),
+    relies_on=(
+        # Relied on: the mixed-batch path filters the top-k with the impl's own
+        # dcp_world_size and dcp_rank (bound per group).
+        Pin(
+            "FlashMLASparseImpl._forward_fp8_kv_mixed_batch",
+            "self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata, "
+            "kernel_metadata=",
+        ),
+    ),
+    remove_with=("worker.sparse_mla_attention",),
+    why=(
+        "FlashMLA's sparse builder refuses DCP configurations on the parallel "
+        "config's DCP size, for limits of the gathered query a replicated group "
+        "never gathers."
+    ),
+    remove_when="vLLM's sparse MLA takes a per-group DCP shard count",
+    related="none upstream: the builder reads the parallel config's DCP size",
+)

@@ -27,36 +27,8 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract.layer_classes import FLINT_ATTENTION, LAYER_CLASS_ATTR
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, require_class_path, wrap
-
-UPSTREAM_MODULE = "vllm.models.flint.model"
-RUNS_IN = "worker"
-WHY = (
-    "Flint's attention wrapper runs its own fast decode on the builder's "
-    "metadata; admission must see its class, not the generic layer inside."
-)
-REMOVE_WHEN = "Flint's low-latency decode accepts DCP decode metadata"
-RELATED = "none upstream: forward_ll asserts dcp_query_start_loc is None"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "FlintAttention.__init__",
-        "self, config, layer_idx, cache_config, quant_config, prefix=",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the fast path that reads the builder's DCP metadata.
-    UpstreamSymbol(
-        _M,
-        "FlintAttention.forward_ll",
-        "self, positions, hidden_states, residual, input_layernorm",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
+from vllm_dcp_geometry.runtime.upstream_symbols import require_class_path
 
 
 def _make_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -70,6 +42,31 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def apply(module: ModuleType) -> None:
-    cls = require_class_path(module, "FlintAttention", FLINT_ATTENTION)
-    wrap(cls, "__init__", _make_init)
+def _require_flint_attention(module: ModuleType) -> None:
+    require_class_path(module, "FlintAttention", FLINT_ATTENTION)
+
+
+PATCH = Patch(
+    upstream_module="vllm.models.flint.model",
+    replaces=(
+        Wrap(
+            "FlintAttention.__init__",
+            "self, config, layer_idx, cache_config, quant_config, prefix=",
+            _make_init,
+        ),
+    ),
+    relies_on=(
+        # Relied on: the fast path that reads the builder's DCP metadata.
+        Pin(
+            "FlintAttention.forward_ll",
+            "self, positions, hidden_states, residual, input_layernorm",
+        ),
+    ),
+    why=(
+        "Flint's attention wrapper runs its own fast decode on the builder's "
+        "metadata; admission must see its class, not the generic layer inside."
+    ),
+    remove_when="Flint's low-latency decode accepts DCP decode metadata",
+    related="none upstream: forward_ll asserts dcp_query_start_loc is None",
+    apply=_require_flint_attention,
+)

@@ -33,52 +33,12 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.runtime.geometry import group_name
+from vllm_dcp_geometry.runtime.geometry import kv_cache_group_name
 from vllm_dcp_geometry.runtime.group_context import (
     TAKEN_SHARD_COUNTS_ATTR,
     pending_shard_counts,
 )
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.worker.gpu.block_table"
-RUNS_IN = "worker"
-WHY = (
-    "Model Runner V2 block tables have one CP_SIZE for all groups plus a bool, "
-    "so partial shard counts get the D-shard slot mapping."
-)
-REMOVE_WHEN = "vLLM's V2 block tables take the DCP shard count per cache group"
-RELATED = "vllm#56723 (per-group dcp_sharded in BlockTables); vllm#51031"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "BlockTables.__init__",
-        "self, block_sizes, max_num_reqs, max_num_batched_tokens, "
-        "max_num_blocks_per_group, device, cp_size=, cp_rank=, cp_interleave=, "
-        "slot_mapping_enabled=, dcp_sharded=, sliding_window_reach=",
-    ),
-    UpstreamSymbol(
-        _M,
-        "BlockTables.compute_slot_mappings",
-        "self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Launched, not replaced.
-    UpstreamSymbol(
-        _M,
-        "_compute_slot_mappings_kernel",
-        "max_num_tokens, idx_mapping, query_start_loc, pos, block_table_ptrs, "
-        "block_table_strides, block_sizes, slot_mapping_enabled, dcp_sharded, "
-        "slot_mappings_ptr, slot_mappings_stride, cp_rank, CP_SIZE, "
-        "CP_INTERLEAVE, PAD_ID, TRITON_BLOCK_SIZE",
-    ),
-    UpstreamSymbol(_M, "PAD_SLOT_ID"),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.gpu_model_runner_v2",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 
 @dataclass(frozen=True)
@@ -187,7 +147,7 @@ def _configure(self: Any, counts: tuple[int, ...], arguments: dict[str, Any]) ->
     # Validates every K against (D, r); a launch with shard count K runs as
     # shard r % K of that K.
     shard_of = {
-        k: GroupGeometry(group_name(index=i), k, cp_size, cp_rank).shard
+        k: GroupGeometry(kv_cache_group_name(index=i), k, cp_size, cp_rank).shard
         for i, k in enumerate(counts)
     }
     shard_of.setdefault(1, 0)
@@ -275,7 +235,39 @@ def _make_compute_slot_mappings(
     return compute_slot_mappings
 
 
-def apply(module: ModuleType) -> None:
-    cls = module.BlockTables
-    wrap(cls, "__init__", _make_init)
-    wrap(cls, "compute_slot_mappings", _make_compute_slot_mappings, module)
+PATCH = Patch(
+    upstream_module="vllm.v1.worker.gpu.block_table",
+    replaces=(
+        Wrap(
+            "BlockTables.__init__",
+            "self, block_sizes, max_num_reqs, max_num_batched_tokens, "
+            "max_num_blocks_per_group, device, cp_size=, cp_rank=, cp_interleave=, "
+            "slot_mapping_enabled=, dcp_sharded=, sliding_window_reach=",
+            _make_init,
+        ),
+        Wrap(
+            "BlockTables.compute_slot_mappings",
+            "self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=",
+            _make_compute_slot_mappings,
+            with_module=True,
+        ),
+    ),
+    relies_on=(
+        # Launched, not replaced.
+        Pin(
+            "_compute_slot_mappings_kernel",
+            "max_num_tokens, idx_mapping, query_start_loc, pos, block_table_ptrs, "
+            "block_table_strides, block_sizes, slot_mapping_enabled, dcp_sharded, "
+            "slot_mappings_ptr, slot_mappings_stride, cp_rank, CP_SIZE, "
+            "CP_INTERLEAVE, PAD_ID, TRITON_BLOCK_SIZE",
+        ),
+        Pin("PAD_SLOT_ID"),
+    ),
+    remove_with=("worker.gpu_model_runner_v2",),
+    why=(
+        "Model Runner V2 block tables have one CP_SIZE for all groups plus a bool, "
+        "so partial shard counts get the D-shard slot mapping."
+    ),
+    remove_when="vLLM's V2 block tables take the DCP shard count per cache group",
+    related="vllm#56723 (per-group dcp_sharded in BlockTables); vllm#51031",
+)

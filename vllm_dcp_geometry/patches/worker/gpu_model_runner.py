@@ -31,50 +31,24 @@ Remove when: Model Runner V1 passes per-group geometry to its block tables.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.runtime.geometry import BlockTableLayout, input_batch_layout
 from vllm_dcp_geometry.runtime.group_context import (
-    TAKEN_LAYOUT_ATTR,
+    LAYOUT_ATTR,
     pending_block_table_layout,
 )
 from vllm_dcp_geometry.runtime.hand_back import follows_vllm_default
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.patching import Patch, Wrap
 from vllm_dcp_geometry.runtime.spec_overrides import make_get_kv_cache_spec
-
-UPSTREAM_MODULE = "vllm.v1.worker.gpu_model_runner"
-RUNS_IN = "worker"
-WHY = (
-    "Model Runner V1 gives every block table the global DCP size and picks slot "
-    "mode and alignment from the cache kind, not from the spec."
-)
-REMOVE_WHEN = "Model Runner V1 passes per-group DCP geometry to its block tables"
-RELATED = "vllm#40996 (DCP with hybrid attention); none gives V1 tables a K"
-
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        UPSTREAM_MODULE,
-        "GPUModelRunner.may_reinitialize_input_batch",
-        "self, kv_cache_config",
-    ),
-    UpstreamSymbol(UPSTREAM_MODULE, "GPUModelRunner.get_kv_cache_spec", "self"),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = ()
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.block_table",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
-
-RUNNER_LAYOUT_ATTR = "dcp_geometry_layout"
-"""Runner attribute holding the layout its current input batch was built with."""
 
 
 def check_input_batch_layout(block_table: Any, layout: BlockTableLayout) -> None:
     """Fail closed unless ``block_table`` (a ``MultiGroupBlockTable``) has
     ``layout``'s tables."""
     tables = list(block_table.block_tables)
-    ok = getattr(block_table, TAKEN_LAYOUT_ATTR, None) == layout and len(tables) == len(
+    ok = getattr(block_table, LAYOUT_ATTR, None) == layout and len(tables) == len(
         layout.tables
     )
     if ok:
@@ -88,7 +62,7 @@ def check_input_batch_layout(block_table: Any, layout: BlockTableLayout) -> None
         raise DcpGeometryError(
             "Model Runner V1's input batch was not built with the per-group DCP "
             "block-table layout: vllm_dcp_geometry.patches.worker.block_table "
-            "(this patch's partner, REMOVE_WITH) should have taken it from "
+            "(this patch's partner, remove_with) should have taken it from "
             "pending_block_table_layout; refusing to run with the global DCP "
             "geometry"
         )
@@ -138,22 +112,33 @@ def _make_may_reinitialize_input_batch(
             dcp,
             self.dcp_rank,
         )
-        if getattr(self, RUNNER_LAYOUT_ATTR, None) != layout:
+        if getattr(self, LAYOUT_ATTR, None) != layout:
             # Upstream rebuilds the InputBatch when its own inputs change; an
             # empty block-size list is how it forces that itself.
             self._init_block_sizes = []
         with pending_block_table_layout(layout):
             original(self, kv_cache_config)
         check_input_batch_layout(self.input_batch.block_table, layout)
-        setattr(self, RUNNER_LAYOUT_ATTR, layout)
+        setattr(self, LAYOUT_ATTR, layout)
 
     return may_reinitialize_input_batch
 
 
-def apply(module: ModuleType) -> None:
-    wrap(
-        module.GPUModelRunner,
-        "may_reinitialize_input_batch",
-        _make_may_reinitialize_input_batch,
-    )
-    wrap(module.GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)
+PATCH = Patch(
+    upstream_module="vllm.v1.worker.gpu_model_runner",
+    replaces=(
+        Wrap(
+            "GPUModelRunner.may_reinitialize_input_batch",
+            "self, kv_cache_config",
+            _make_may_reinitialize_input_batch,
+        ),
+        Wrap("GPUModelRunner.get_kv_cache_spec", "self", make_get_kv_cache_spec),
+    ),
+    remove_with=("worker.block_table",),
+    why=(
+        "Model Runner V1 gives every block table the global DCP size and picks slot "
+        "mode and alignment from the cache kind, not from the spec."
+    ),
+    remove_when="Model Runner V1 passes per-group DCP geometry to its block tables",
+    related="vllm#40996 (DCP with hybrid attention); none gives V1 tables a K",
+)

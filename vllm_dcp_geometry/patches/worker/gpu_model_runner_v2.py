@@ -34,7 +34,6 @@ Remove when: Model Runner V2 passes per-group shard counts to its block tables.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError
@@ -44,31 +43,8 @@ from vllm_dcp_geometry.runtime.group_context import (
     pending_dcp_shard_counts,
 )
 from vllm_dcp_geometry.runtime.hand_back import groups_follow_vllm_default
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.patching import Patch, Wrap
 from vllm_dcp_geometry.runtime.spec_overrides import make_get_kv_cache_spec
-
-UPSTREAM_MODULE = "vllm.v1.worker.gpu.model_runner"
-RUNS_IN = "worker"
-WHY = (
-    "Model Runner V2 builds its block tables from one DCP size plus a "
-    "sharded/replicated bool per group."
-)
-REMOVE_WHEN = "Model Runner V2 passes per-group DCP shard counts to BlockTables"
-RELATED = "vllm#56723 (per-group dcp_sharded in Model Runner V2)"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "GPUModelRunner.initialize_kv_cache",
-        "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
-    ),
-    UpstreamSymbol(_M, "GPUModelRunner.get_kv_cache_spec", "self"),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = ()
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.gpu_block_table",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def replicated_sliding_window(groups: Any) -> bool:
@@ -142,7 +118,7 @@ def _make_initialize_kv_cache(original: Callable[..., None]) -> Callable[..., No
             raise DcpGeometryError(
                 "Model Runner V2's block tables were not built with the "
                 "per-group DCP shard counts: vllm_dcp_geometry.patches.worker."
-                "gpu_block_table (this patch's partner, REMOVE_WITH) should have "
+                "gpu_block_table (this patch's partner, remove_with) should have "
                 "taken them from pending_dcp_shard_counts; refusing to run with "
                 "the global DCP geometry"
             )
@@ -150,7 +126,21 @@ def _make_initialize_kv_cache(original: Callable[..., None]) -> Callable[..., No
     return initialize_kv_cache
 
 
-def apply(module: ModuleType) -> None:
-    runner = module.GPUModelRunner
-    wrap(runner, "initialize_kv_cache", _make_initialize_kv_cache)
-    wrap(runner, "get_kv_cache_spec", make_get_kv_cache_spec)
+PATCH = Patch(
+    upstream_module="vllm.v1.worker.gpu.model_runner",
+    replaces=(
+        Wrap(
+            "GPUModelRunner.initialize_kv_cache",
+            "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
+            _make_initialize_kv_cache,
+        ),
+        Wrap("GPUModelRunner.get_kv_cache_spec", "self", make_get_kv_cache_spec),
+    ),
+    remove_with=("worker.gpu_block_table",),
+    why=(
+        "Model Runner V2 builds its block tables from one DCP size plus a "
+        "sharded/replicated bool per group."
+    ),
+    remove_when="Model Runner V2 passes per-group DCP shard counts to BlockTables",
+    related="vllm#56723 (per-group dcp_sharded in Model Runner V2)",
+)

@@ -36,29 +36,10 @@ Remove when: vLLM's MLA takes a per-group DCP shard count (with
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.patching import Patch, Wrap
 from vllm_dcp_geometry.runtime.replica_groups import make_replica_groups
-
-UPSTREAM_MODULE = "vllm.v1.worker.gpu_worker"
-RUNS_IN = "worker"
-WHY = (
-    "vLLM makes only the D-wide DCP group; partial MLA groups collective within "
-    "their K-rank replicas, whose process groups every worker makes in lockstep."
-)
-REMOVE_WHEN = "vLLM's MLA takes a per-group DCP shard count"
-RELATED = "none upstream: vLLM knows K in {1, D} only"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(_M, "Worker.init_device", "self"),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = ()
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.mla_attention",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_init_device(original: Callable[..., None]) -> Callable[..., None]:
@@ -69,5 +50,14 @@ def _make_init_device(original: Callable[..., None]) -> Callable[..., None]:
     return init_device
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module.Worker, "init_device", _make_init_device)
+PATCH = Patch(
+    upstream_module="vllm.v1.worker.gpu_worker",
+    replaces=(Wrap("Worker.init_device", "self", _make_init_device),),
+    remove_with=("worker.mla_attention", "worker.parallel_state"),
+    why=(
+        "vLLM makes only the D-wide DCP group; partial MLA groups collective within "
+        "their K-rank replicas, whose process groups every worker makes in lockstep."
+    ),
+    remove_when="vLLM's MLA takes a per-group DCP shard count",
+    related="none upstream: vLLM knows K in {1, D} only",
+)

@@ -40,45 +40,8 @@ from vllm_dcp_geometry.contract.layer_classes import (
 )
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.runtime.mla_geometry import bind_mla_layer
-from vllm_dcp_geometry.runtime.patching import (
-    UpstreamSymbol,
-    require_class_path,
-    set_item,
-)
-
-UPSTREAM_MODULE = "vllm.models.kimi_k3.nvidia.mla"
-RUNS_IN = "worker"
-WHY = (
-    "Kimi-K3's MLA layer gates its query all-gather, LSE combine and prefill "
-    "context path on its own dcp_world_size, not its impl's."
-)
-REMOVE_WHEN = "Kimi-K3's MLA layer takes its group's DCP shard count"
-RELATED = "none upstream: the layer reads the parallel config's DCP size"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = ()
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the three places the layer reads its own dcp_world_size.
-    UpstreamSymbol(
-        _M,
-        "MultiHeadLatentAttention._attention",
-        "self, positions, q, kv_c_normed, k_pe, attn_out",
-    ),
-    UpstreamSymbol(
-        _M,
-        "MultiHeadLatentAttention._forward_prefill_fused",
-        "self, q, kv_c_normed, k_pe, positions, cos_sin_cache, slot_mapping, "
-        "attn_metadata, out",
-    ),
-    UpstreamSymbol(
-        _M,
-        "MultiHeadLatentAttention._compute_prefill_context",
-        "self, q, attn_metadata",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.mla_attention",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, set_item
+from vllm_dcp_geometry.runtime.upstream_symbols import require_class_path
 
 
 def bind_kimi_k3_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
@@ -98,3 +61,32 @@ def bind_kimi_k3_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> 
 def apply(module: ModuleType) -> None:
     require_class_path(module, "MultiHeadLatentAttention", KIMI_K3_MLA)
     set_item(LAYER_BINDERS, LayerBinding.KIMI_K3_MLA, (__name__, bind_kimi_k3_layer))
+
+
+PATCH = Patch(
+    upstream_module="vllm.models.kimi_k3.nvidia.mla",
+    relies_on=(
+        # Relied on: the three places the layer reads its own dcp_world_size.
+        Pin(
+            "MultiHeadLatentAttention._attention",
+            "self, positions, q, kv_c_normed, k_pe, attn_out",
+        ),
+        Pin(
+            "MultiHeadLatentAttention._forward_prefill_fused",
+            "self, q, kv_c_normed, k_pe, positions, cos_sin_cache, slot_mapping, "
+            "attn_metadata, out",
+        ),
+        Pin(
+            "MultiHeadLatentAttention._compute_prefill_context",
+            "self, q, attn_metadata",
+        ),
+    ),
+    remove_with=("worker.mla_attention",),
+    why=(
+        "Kimi-K3's MLA layer gates its query all-gather, LSE combine and prefill "
+        "context path on its own dcp_world_size, not its impl's."
+    ),
+    remove_when="Kimi-K3's MLA layer takes its group's DCP shard count",
+    related="none upstream: the layer reads the parallel config's DCP size",
+    apply=apply,
+)

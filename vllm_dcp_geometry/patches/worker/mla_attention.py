@@ -50,7 +50,6 @@ Remove when: vLLM's MLA takes a per-group DCP shard count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
@@ -73,73 +72,8 @@ from vllm_dcp_geometry.runtime.mla_geometry import (
     group_context_chunk_kwargs,
     make_group_getter,
 )
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 from vllm_dcp_geometry.runtime.replica_groups import replica_group
-
-UPSTREAM_MODULE = "vllm.model_executor.layers.attention.mla_attention"
-RUNS_IN = "worker"
-WHY = (
-    "MLA builders, impls and layers take D from the DCP group whatever the "
-    "spec says; replicated MLA groups must run locally and partial ones read "
-    "K shards and combine exactly."
-)
-REMOVE_WHEN = "vLLM's MLA takes a per-group DCP shard count"
-RELATED = "vllm#23734 (MLA DCP sizes its workspaces and combine from D)"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "MLACommonMetadataBuilder.__init__",
-        "self, kv_cache_spec, layer_names, vllm_config, device, metadata_cls=, "
-        "supports_dcp_with_varlen=",
-    ),
-    UpstreamSymbol(
-        _M,
-        "MLACommonMetadataBuilder.build",
-        "self, common_prefix_len, common_attn_metadata, fast_build=",
-    ),
-    UpstreamSymbol(_M, "get_dcp_group", ""),
-    UpstreamSymbol(
-        _M,
-        "MLACommonMetadataBuilder._validate_dspark_dcp_support",
-        "self, supports_dcp_with_varlen",
-    ),
-    UpstreamSymbol(
-        _M,
-        "build_mla_chunked_context_metadata",
-        CHUNK_PLANNER_PARAMETERS,
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the layer reads impl.dcp_world_size, dcp_manager.combine and
-    # impl.forward_mqa; the context path splits its workspace by the impl's
-    # D and reorganises K shards from the gather.
-    UpstreamSymbol(_M, "MLAAttention.forward_impl"),
-    UpstreamSymbol(
-        _M,
-        "MLACommonBaseImpl._context_parallel_compute_prefill_context",
-        "self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, dcp_world_size, "
-        "fused_mla_kv_concat_fn=",
-    ),
-    UpstreamSymbol(
-        _M,
-        "reorg_kvcache",
-        "allgatered_kv_c_normed, allgatered_k_pe, padded_local_chunk_seq_lens_lst, "
-        "local_context_lens_allranks, local_starts, sum_seq_len, max_seq_len, toks",
-    ),
-    UpstreamSymbol(
-        _M, "MLADCPManager.init_kv_gather", "self, workspace, max_gathered_tokens"
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = (
-    "worker.kimi_k3_mla",
-    "worker.sparse_mla_attention",
-    "worker.mla_dcp_manager",
-    "worker.gpu_worker",
-)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def _make_validate_dspark(original: Callable[..., None]) -> Callable[..., None]:
@@ -219,16 +153,64 @@ def _batch_bound_without_decodes(metadata: Any, common_attn_metadata: Any) -> No
         metadata.max_seq_len = common_attn_metadata.max_seq_len
 
 
-def apply(module: ModuleType) -> None:
-    wrap(module, "get_dcp_group", make_group_getter)
-    wrap(module, "build_mla_chunked_context_metadata", _make_chunk_planner)
-    builder = module.MLACommonMetadataBuilder
-    wrap(builder, "__init__", builder_init(BUILDER_TEACHING))
-    wrap(builder, "_validate_dspark_dcp_support", _make_validate_dspark)
-    wrap(
-        builder,
-        "build",
-        make_partial_group_build,
-        _decode_bound,
-        _batch_bound_without_decodes,
-    )
+PATCH = Patch(
+    upstream_module="vllm.model_executor.layers.attention.mla_attention",
+    replaces=(
+        Wrap(
+            "MLACommonMetadataBuilder.__init__",
+            "self, kv_cache_spec, layer_names, vllm_config, device, metadata_cls=, "
+            "supports_dcp_with_varlen=",
+            builder_init(BUILDER_TEACHING),
+        ),
+        Wrap(
+            "MLACommonMetadataBuilder.build",
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
+            make_partial_group_build,
+            factory_args=(_decode_bound, _batch_bound_without_decodes),
+        ),
+        Wrap("get_dcp_group", "", make_group_getter),
+        Wrap(
+            "MLACommonMetadataBuilder._validate_dspark_dcp_support",
+            "self, supports_dcp_with_varlen",
+            _make_validate_dspark,
+        ),
+        # Copies taken before the plugin registered (sparse MLA's) must call
+        # the K-aware planner too, as they do when imported after it.
+        Wrap(
+            "build_mla_chunked_context_metadata",
+            CHUNK_PLANNER_PARAMETERS,
+            _make_chunk_planner,
+            rebind_copies=True,
+        ),
+    ),
+    relies_on=(
+        # Relied on: the layer reads impl.dcp_world_size, dcp_manager.combine and
+        # impl.forward_mqa; the context path splits its workspace by the impl's
+        # D and reorganises K shards from the gather.
+        Pin("MLAAttention.forward_impl"),
+        Pin(
+            "MLACommonBaseImpl._context_parallel_compute_prefill_context",
+            "self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, dcp_world_size, "
+            "fused_mla_kv_concat_fn=",
+        ),
+        Pin(
+            "reorg_kvcache",
+            "allgatered_kv_c_normed, allgatered_k_pe, padded_local_chunk_seq_lens_lst, "
+            "local_context_lens_allranks, local_starts, sum_seq_len, max_seq_len, toks",
+        ),
+        Pin("MLADCPManager.init_kv_gather", "self, workspace, max_gathered_tokens"),
+    ),
+    remove_with=(
+        "worker.kimi_k3_mla",
+        "worker.sparse_mla_attention",
+        "worker.mla_dcp_manager",
+        "worker.gpu_worker",
+    ),
+    why=(
+        "MLA builders, impls and layers take D from the DCP group whatever the "
+        "spec says; replicated MLA groups must run locally and partial ones read "
+        "K shards and combine exactly."
+    ),
+    remove_when="vLLM's MLA takes a per-group DCP shard count",
+    related="vllm#23734 (MLA DCP sizes its workspaces and combine from D)",
+)

@@ -28,46 +28,11 @@ Remove when: the indexer builder takes a per-group DCP shard count.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.runtime.metadata_builders import BuilderTeaching, builder_init
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
-
-UPSTREAM_MODULE = "vllm.v1.attention.backends.mla.indexer"
-RUNS_IN = "worker"
-WHY = (
-    "The DSA indexer builder takes D from the parallel config and r from the "
-    "DCP group; a replicated or partial indexer cache needs (K, r % K)."
-)
-REMOVE_WHEN = "the DSA indexer builder takes a per-group DCP shard count"
-RELATED = "none upstream: the indexer builder reads the parallel config"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "DeepseekV32IndexerMetadataBuilder.__init__",
-        "self, *args, block_table_width, **kwargs",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: every per-step use of the DCP world reads these attributes.
-    UpstreamSymbol(
-        _M,
-        "DeepseekV32IndexerMetadataBuilder._dcp_localize_decode_seq_lens",
-        "self, seq_lens, num_decodes, seq_lens_is_buffer_view",
-    ),
-    UpstreamSymbol(
-        _M,
-        "DeepseekV32IndexerMetadataBuilder.build",
-        "self, common_prefix_len, common_attn_metadata, fast_build=",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 
 def _take_shard_world(
@@ -96,9 +61,30 @@ BUILDER_TEACHING = BuilderTeaching(
 )
 
 
-def apply(module: ModuleType) -> None:
-    wrap(
-        module.DeepseekV32IndexerMetadataBuilder,
-        "__init__",
-        builder_init(BUILDER_TEACHING),
-    )
+PATCH = Patch(
+    upstream_module="vllm.v1.attention.backends.mla.indexer",
+    replaces=(
+        Wrap(
+            "DeepseekV32IndexerMetadataBuilder.__init__",
+            "self, *args, block_table_width, **kwargs",
+            builder_init(BUILDER_TEACHING),
+        ),
+    ),
+    relies_on=(
+        # Relied on: every per-step use of the DCP world reads these attributes.
+        Pin(
+            "DeepseekV32IndexerMetadataBuilder._dcp_localize_decode_seq_lens",
+            "self, seq_lens, num_decodes, seq_lens_is_buffer_view",
+        ),
+        Pin(
+            "DeepseekV32IndexerMetadataBuilder.build",
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
+        ),
+    ),
+    why=(
+        "The DSA indexer builder takes D from the parallel config and r from the "
+        "DCP group; a replicated or partial indexer cache needs (K, r % K)."
+    ),
+    remove_when="the DSA indexer builder takes a per-group DCP shard count",
+    related="none upstream: the indexer builder reads the parallel config",
+)

@@ -34,34 +34,8 @@ from typing import Any
 
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.runtime.group_context import current_indexer_geometry
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, require_global_call, wrap
-
-UPSTREAM_MODULE = "vllm.model_executor.layers.sparse_attn_indexer"
-RUNS_IN = "worker"
-WHY = (
-    "The DSA top-k merge all-gathers candidates over all D ranks; a partial "
-    "indexer cache's duplicate replicas would be counted D/K times."
-)
-REMOVE_WHEN = "the DSA top-k merge takes a replica group or index"
-RELATED = "none upstream: the merge gathers over the DCP group"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "_merge_dcp_topk_global",
-        "logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, "
-        "cp_interleave, row_starts=",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the op merges through the module global above, with the
-    # dcp_rank / dcp_world_size it is given.
-    UpstreamSymbol(_M, "sparse_attn_indexer"),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.deepseek_v32_attention",)
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
+from vllm_dcp_geometry.runtime.upstream_symbols import require_global_call
 
 
 def _make_merge(original: Callable[..., None]) -> Callable[..., None]:
@@ -97,6 +71,31 @@ def _make_merge(original: Callable[..., None]) -> Callable[..., None]:
     return _merge_dcp_topk_global
 
 
-def apply(module: ModuleType) -> None:
+def _require_global_merge(module: ModuleType) -> None:
     require_global_call(module, "sparse_attn_indexer", "_merge_dcp_topk_global")
-    wrap(module, "_merge_dcp_topk_global", _make_merge)
+
+
+PATCH = Patch(
+    upstream_module="vllm.model_executor.layers.sparse_attn_indexer",
+    replaces=(
+        Wrap(
+            "_merge_dcp_topk_global",
+            "logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, "
+            "cp_interleave, row_starts=",
+            _make_merge,
+        ),
+    ),
+    relies_on=(
+        # Relied on: the op merges through the module global above, with the
+        # dcp_rank / dcp_world_size it is given.
+        Pin("sparse_attn_indexer"),
+    ),
+    remove_with=("worker.deepseek_v32_attention",),
+    why=(
+        "The DSA top-k merge all-gathers candidates over all D ranks; a partial "
+        "indexer cache's duplicate replicas would be counted D/K times."
+    ),
+    remove_when="the DSA top-k merge takes a replica group or index",
+    related="none upstream: the merge gathers over the DCP group",
+    apply=_require_global_merge,
+)

@@ -49,55 +49,8 @@ from vllm_dcp_geometry.runtime.mla_geometry import (
     check_context_workspace,
     make_group_getter,
 )
-from vllm_dcp_geometry.runtime.patching import (
-    UpstreamChangedError,
-    UpstreamSymbol,
-    wrap,
-)
-
-UPSTREAM_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"
-RUNS_IN = "worker"
-WHY = (
-    "Sparse MLA builders take D from the DCP group whatever the spec says; "
-    "replicated sparse groups must build DCP1 metadata and partial ones plan "
-    "their dense-MHA prefill context over K shards."
-)
-REMOVE_WHEN = "vLLM's sparse MLA takes a per-group DCP shard count"
-RELATED = "none upstream: sparse MLA builders read the DCP process group"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "SparseMLACommonMetadataBuilder.__init__",
-        "self, kv_cache_spec, layer_names, vllm_config, device",
-    ),
-    UpstreamSymbol(
-        _M,
-        "SparseMLACommonMetadataBuilder._build_chunked_context_fields",
-        "self, common_attn_metadata, num_decodes, num_prefills, prefill_query_lens_cpu",
-    ),
-    UpstreamSymbol(_M, "get_dcp_group", ""),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = (
-    # Relied on: the module calls the MLA module's chunk planner by name,
-    # which the MLA patch plans over K shards for the active partial group.
-    UpstreamSymbol(
-        _M,
-        "build_mla_chunked_context_metadata",
-        CHUNK_PLANNER_PARAMETERS,
-    ),
-    # Relied on: the impls filter the top-k with their own dcp_world_size and
-    # dcp_rank, which the bound impl swaps to (K, r % K) during forward_mqa.
-    UpstreamSymbol(
-        _M,
-        "SparseMLACommonImpl.forward_mqa",
-        "self, q, kv_c_and_k_pe_cache, attn_metadata, layer",
-    ),
-)
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ("worker.flashmla_sparse", "worker.mla_attention")
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap, original_of
+from vllm_dcp_geometry.runtime.upstream_symbols import UpstreamChangedError
 
 
 def _make_context_fields(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -147,9 +100,15 @@ BUILDER_TEACHING = BuilderTeaching(
 def _require_mla_chunk_planner(module: ModuleType) -> None:
     import vllm.model_executor.layers.attention.mla_attention as mla
 
-    if module.build_mla_chunked_context_metadata is not (
-        mla.build_mla_chunked_context_metadata
-    ):
+    ours = mla.build_mla_chunked_context_metadata
+    copy = module.build_mla_chunked_context_metadata
+    if copy is not ours and copy is original_of(ours):
+        raise UpstreamChangedError(
+            f"{module.__name__}.build_mla_chunked_context_metadata still holds "
+            f"{mla.__name__}'s original, not the MLA patch's wrapper: the MLA "
+            "patch did not reach this copy (a plugin bug, not a vLLM change)"
+        )
+    if copy is not ours:
         raise UpstreamChangedError(
             f"{module.__name__}.build_mla_chunked_context_metadata is no longer "
             f"{mla.__name__}'s (which the MLA patch plans over K shards); "
@@ -157,9 +116,40 @@ def _require_mla_chunk_planner(module: ModuleType) -> None:
         )
 
 
-def apply(module: ModuleType) -> None:
-    _require_mla_chunk_planner(module)
-    wrap(module, "get_dcp_group", make_group_getter)
-    builder = module.SparseMLACommonMetadataBuilder
-    wrap(builder, "__init__", builder_init(BUILDER_TEACHING))
-    wrap(builder, "_build_chunked_context_fields", _make_context_fields)
+PATCH = Patch(
+    upstream_module="vllm.model_executor.layers.attention.sparse_mla_attention",
+    replaces=(
+        Wrap(
+            "SparseMLACommonMetadataBuilder.__init__",
+            "self, kv_cache_spec, layer_names, vllm_config, device",
+            builder_init(BUILDER_TEACHING),
+        ),
+        Wrap(
+            "SparseMLACommonMetadataBuilder._build_chunked_context_fields",
+            "self, common_attn_metadata, num_decodes, num_prefills, "
+            "prefill_query_lens_cpu",
+            _make_context_fields,
+        ),
+        Wrap("get_dcp_group", "", make_group_getter),
+    ),
+    relies_on=(
+        # Relied on: the module calls the MLA module's chunk planner by name,
+        # which the MLA patch plans over K shards for the active partial group.
+        Pin("build_mla_chunked_context_metadata", CHUNK_PLANNER_PARAMETERS),
+        # Relied on: the impls filter the top-k with their own dcp_world_size and
+        # dcp_rank, which the bound impl swaps to (K, r % K) during forward_mqa.
+        Pin(
+            "SparseMLACommonImpl.forward_mqa",
+            "self, q, kv_c_and_k_pe_cache, attn_metadata, layer",
+        ),
+    ),
+    remove_with=("worker.flashmla_sparse", "worker.mla_attention"),
+    why=(
+        "Sparse MLA builders take D from the DCP group whatever the spec says; "
+        "replicated sparse groups must build DCP1 metadata and partial ones plan "
+        "their dense-MHA prefill context over K shards."
+    ),
+    remove_when="vLLM's sparse MLA takes a per-group DCP shard count",
+    related="none upstream: sparse MLA builders read the DCP process group",
+    apply=_require_mla_chunk_planner,
+)

@@ -26,39 +26,16 @@ Remove when: every vLLM attention backend takes a per-group shard count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
-from vllm_dcp_geometry.contract.attention_admission import DCP_DROPPED_FEATURES
+from vllm_dcp_geometry.contract.attention_backends import DCP_DROPPED_FEATURES
 from vllm_dcp_geometry.runtime.group_geometry import resolve_group_geometry
-from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, wrap
+from vllm_dcp_geometry.runtime.patching import Patch, Wrap
 from vllm_dcp_geometry.runtime.worker_admission import (
     admit_group,
     attention_kind,
     backend_label,
 )
-
-UPSTREAM_MODULE = "vllm.v1.worker.utils"
-RUNS_IN = "worker"
-WHY = (
-    "Only some attention backends are taught a group's DCP shard count; every "
-    "group goes through one admission rule at start-up, which refuses the rest."
-)
-REMOVE_WHEN = "every attention backend takes a per-group DCP shard count"
-RELATED = "none upstream: backends take D from the process group"
-
-_M = UPSTREAM_MODULE
-REPLACES: tuple[UpstreamSymbol, ...] = (
-    UpstreamSymbol(
-        _M,
-        "AttentionGroup.create_metadata_builders",
-        "self, vllm_config, device, kernel_block_size=, num_metadata_builders=",
-    ),
-)
-RELIES_ON: tuple[UpstreamSymbol, ...] = ()
-ADDS: tuple[str, ...] = ()
-REMOVE_WITH: tuple[str, ...] = ()
-PATCHED_SYMBOLS = REPLACES + RELIES_ON
 
 
 def admit_attention_group(group: Any, vllm_config: Any) -> None:
@@ -110,9 +87,19 @@ def _make_create_metadata_builders(
     return create_metadata_builders
 
 
-def apply(module: ModuleType) -> None:
-    wrap(
-        module.AttentionGroup,
-        "create_metadata_builders",
-        _make_create_metadata_builders,
-    )
+PATCH = Patch(
+    upstream_module="vllm.v1.worker.utils",
+    replaces=(
+        Wrap(
+            "AttentionGroup.create_metadata_builders",
+            "self, vllm_config, device, kernel_block_size=, num_metadata_builders=",
+            _make_create_metadata_builders,
+        ),
+    ),
+    why=(
+        "Only some attention backends are taught a group's DCP shard count; every "
+        "group goes through one admission rule at start-up, which refuses the rest."
+    ),
+    remove_when="every attention backend takes a per-group DCP shard count",
+    related="none upstream: backends take D from the process group",
+)

@@ -1,4 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Documentation generated from the code: the patch table and the audit of
-vLLM's attention layer classes."""
+"""Documentation made from the code, beside vLLM (nothing a server loads reads
+it): docs/patches.md's patch table (``patch_table``) and its index by upstream
+symbol (``patch_index``), which ``tools/update_docs.py`` writes, and the audit
+of vLLM's attention layer classes (``layer_class_audit``)."""

@@ -84,7 +84,7 @@ AUDITED_CLASSES: dict[str, AuditedClass] = {
             "vllm.models.dots3_note.nvidia.attention.Dots3NoteMLAMetadataBuilder",
             _D.NOT_A_LAYER,
             "builder of Dots3NoteSlidingAttention: taught for K = 1 only "
-            "(attention_admission.LOCAL_ONLY_BUILDERS)",
+            "(attention_backends.LOCAL_ONLY_BUILDERS)",
         ),
         _A(
             "vllm.models.dots3_note.nvidia.model.Dots3NoteSlidingAttention",

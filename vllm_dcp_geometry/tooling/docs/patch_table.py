@@ -5,7 +5,21 @@ patch modules' declarations."""
 
 from __future__ import annotations
 
-from vllm_dcp_geometry.patches import PATCH_MODULES
+from vllm_dcp_geometry.patches import declarations
+
+RUNS_IN = {
+    "common": "all",
+    "engine_core": "engine_core",
+    "worker": "worker",
+    "benchmarks": "benchmark",
+}
+"""The process a patch's upstream code runs in, by the folder of the patch
+module (the folders group the patches by process)."""
+
+
+def runs_in(patch_module: str) -> str:
+    """Where the patch module ``patch_module`` (a full name) runs."""
+    return RUNS_IN[patch_module.split(".")[-2]]
 
 
 def shared_modules_sentence() -> str:
@@ -37,9 +51,7 @@ def _symbol_list(qualnames: list[str]) -> str:
 
 def patch_table_markdown() -> str:
     """The README's tables of patched vLLM symbols and side channels,
-    generated from the modules."""
-    import importlib
-
+    generated from the modules' declarations."""
     from vllm_dcp_geometry.runtime.group_context import CHANNELS
 
     rows = [
@@ -49,16 +61,15 @@ def patch_table_markdown() -> str:
         "| remove when | related |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name in PATCH_MODULES:
-        patch = importlib.import_module(name)
-        replaces = _symbol_list([s.qualname for s in patch.REPLACES])
-        relies = _symbol_list([s.qualname for s in patch.RELIES_ON])
-        adds = _symbol_list(list(patch.ADDS))
-        partners = ", ".join(f"`{p}`" for p in patch.REMOVE_WITH) or "-"
+    for name, patch in declarations().items():
+        replaces = _symbol_list([entry.qualname for entry in patch.replaces])
+        relies = _symbol_list([entry.qualname for entry in patch.relies_on])
+        adds = _symbol_list(list(patch.adds))
+        partners = ", ".join(f"`{p}`" for p in patch.remove_with) or "-"
         rows.append(
-            f"| {patch.RUNS_IN} | `{patch.UPSTREAM_MODULE}` | {replaces} | {relies} "
-            f"| {adds} | {partners} | {patch.WHY} | {patch.REMOVE_WHEN} "
-            f"| {patch.RELATED} |"
+            f"| {runs_in(name)} | `{patch.upstream_module}` | {replaces} | {relies} "
+            f"| {adds} | {partners} | {patch.why} | {patch.remove_when} "
+            f"| {patch.related} |"
         )
     rows += [
         "",

@@ -49,7 +49,7 @@ class CacheGroup:
     """``module.qualname`` of the attention layer class that reads the cache
     (None: vLLM's generic ``Attention``/``MLAAttention``)."""
     attention_features: tuple[str, ...] = ()
-    """``attention_admission.ATTENTION_FEATURES`` the layers use (sinks, a
+    """``attention_backends.ATTENTION_FEATURES`` the layers use (sinks, a
     mask_mod), which some backends' DCP paths drop."""
     query_heads: int | None = None
     """The model's attention query heads across TP (None: not given). Not a

@@ -250,7 +250,7 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
 def _attention_features(value: Any, kind: str, where: str) -> tuple[str, ...]:
     """Attention features the group's layers use (``attention_sinks`` ...),
     which some backends' DCP paths drop."""
-    from vllm_dcp_geometry.contract.attention_admission import ATTENTION_FEATURES
+    from vllm_dcp_geometry.contract.attention_backends import ATTENTION_FEATURES
 
     names = sorted(ATTENTION_FEATURES)
     if not isinstance(value, list) or not all(v in ATTENTION_FEATURES for v in value):

@@ -24,6 +24,8 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
+import vllm_dcp_geometry
+
 THIRD_PARTY_NOTE = re.compile(
     r"[IW]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] "
     r"|.*\bpid=\d+\) (?:\x1b\[[\d;]*m)?(?:DEBUG|INFO|WARNING)\b.* \[\S+:\d+\] "
@@ -32,9 +34,7 @@ THIRD_PARTY_NOTE = re.compile(
 or a vLLM log line below error level (``(EngineCore pid=7) WARNING 11-30
 08:18:30 [f.py:6] ...``)."""
 
-_PACKAGE_DIR = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(vllm_dcp_geometry.__file__))
 """``vllm_dcp_geometry/``: warnings raised from under it are this plugin's."""
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dcp_geometry.contract.attention_admission import (
+from vllm_dcp_geometry.contract.attention_admission import admit_attention
+from vllm_dcp_geometry.contract.attention_backends import (
     AttentionKind,
-    admit_attention,
     is_mla_backend_name,
 )
 from vllm_dcp_geometry.contract.layer_classes import (
@@ -24,7 +24,10 @@ from vllm_dcp_geometry.contract.layer_classes import (
     GENERIC_LAYERS,
     reader_refusal,
 )
-from vllm_dcp_geometry.runtime.geometry import default_shard_count, group_name
+from vllm_dcp_geometry.runtime.geometry import (
+    default_shard_count,
+    kv_cache_group_name,
+)
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology, TopologyError
 
 DEFAULT_ATTENTION_BACKENDS = {
@@ -113,10 +116,10 @@ def vllm_selector_refusal(
     if not non_causal or dcp == 1 or backend in NON_CAUSAL_DCP_MLA_BACKENDS:
         return None
     return (
-        f"{group_name(group.layers, index)}: attention backend {backend}: vLLM "
-        "0.33.0's attention selector refuses non-causal multi-token MLA decode "
-        "(a DSpark draft) under DCP on this backend, whatever the group's K (it "
-        "selects when the model is built, before any KV-cache spec); use "
+        f"{kv_cache_group_name(group.layers, index)}: attention backend {backend}: "
+        "vLLM 0.33.0's attention selector refuses non-causal multi-token MLA "
+        "decode (a DSpark draft) under DCP on this backend, whatever the group's "
+        "K (it selects when the model is built, before any KV-cache spec); use "
         f"{' or '.join(sorted(NON_CAUSAL_DCP_MLA_BACKENDS))}"
     )
 
@@ -168,10 +171,12 @@ def group_attention(
             "layer_class": layer_class,
             "attention_backend": backend,
             "attention_mode": "refused",
-            "attention_refusal": f"{group_name(group.layers, index)}: {reader}",
+            "attention_refusal": (
+                f"{kv_cache_group_name(group.layers, index)}: {reader}"
+            ),
         }
     admission = admit_attention(
-        owner=group_name(group.layers, index),
+        owner=kv_cache_group_name(group.layers, index),
         kind=kind,
         backend=backend,
         shard_count=spec.dcp_shard_count(dcp),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dcp_geometry.contract.attention_admission import collectives_within_replica
+from vllm_dcp_geometry.contract.attention_backends import collectives_within_replica
 from vllm_dcp_geometry.contract.collectives import (
     REPLICA,
     attention_work_ratio,

@@ -6,17 +6,18 @@
 processes on this machine (``run``; gloo on CPU, NCCL where D GPUs are
 visible), each initialising vLLM's real distributed state and loading the
 plugin through vLLM's own plugin loader (``worker``). Each builds the
-topology's MLA groups on vLLM's real layer, impl and builder, writes random
+topology's MLA groups on vLLM's real layer, impl and builder (``group``, over
+``vllm_setup``'s objects), writes random
 K/V at the contract's slot mapping for the group's K, runs a decode step and
 a chunked prefill over a context with vLLM's real collectives (partial groups
 within their K-rank replica groups, made by the same start-up code as
 ``vllm serve``'s workers; ``--partial-collectives dcp`` keeps them on the
 D-wide DCP group), and holds every rank's output and LSE to a float64
 single-device reference, counting the bytes each rank moves through the DCP
-and replica groups. Sizes are scaled down (``cases``); groups whose backends
-need CUDA, recurrent groups and layer classes this command does not build
-are listed with the reason. The CPU switches the workers need are set only in
-their environment (``cpu``). The text is ``report``'s.
+and replica groups (``measuring``). Sizes are scaled down (``cases``); groups
+whose backends need CUDA, recurrent groups and layer classes this command does
+not build are listed with the reason. The CPU switches the workers need are set only in
+their environment (``tooling.cpu_stand_ins``). The text is ``report``'s.
 
 ``--baseline`` also runs the same ranks on unpatched vLLM (children with
 ``VLLM_PLUGINS=""``); the exit status is then 1 where unpatched vLLM is
@@ -46,7 +47,9 @@ HELP = (
 )
 
 MAX_RANKS = 16
-"""Worker processes one run may start (each imports vLLM, ~0.8 GB)."""
+"""Worker processes one run may start (each imports vLLM; the memory D of them
+need is checked against this machine's before they start:
+``resources.check_memory``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -183,7 +183,7 @@ def v2_kernel_geometries(
     """``[group][rank]``: what each rank's slot-mapping launch of each group
     carries: the group's K and the rank's shard of it (``GroupGeometry``)."""
     from vllm_dcp_geometry.contract import GroupGeometry
-    from vllm_dcp_geometry.runtime.geometry import group_name
+    from vllm_dcp_geometry.runtime.geometry import kv_cache_group_name
 
     dcp = setup.dcp_world_size
     interleave = setup.vllm_config.parallel_config.cp_kv_cache_interleave_size
@@ -191,7 +191,7 @@ def v2_kernel_geometries(
     for index, k in enumerate(counts):
         row = []
         for rank in range(dcp):
-            shard = GroupGeometry(group_name(index=index), k, dcp, rank).shard
+            shard = GroupGeometry(kv_cache_group_name(index=index), k, dcp, rank).shard
             shard = setup.shard_of(index, rank, shard, k)
             row.append(KernelGeometry(args["block_sizes"][index], k, shard, interleave))
         table.append(row)

@@ -1,0 +1,396 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""One MLA group of the plan on one ``ranks`` worker: built, run, held to the
+float64 reference.
+
+``set_up_group`` builds the rank's real ``MLAAttention`` layer and its builder
+through ``AttentionGroup.create_metadata_builders``; ``run_phase`` writes the
+rank's shard of random K/V at the contract's slot mapping for the group's K
+(``write_cache``, through vLLM's KV-write op) and runs
+``MLAAttention.forward_impl`` once, a decode step or a chunked prefill over a
+context, counting the collectives (``measuring.Traffic``) and recording the
+LSEs the attention hands on; the output and LSEs are compared with
+``mla_rank_run.mla_reference``.
+
+Random inputs are float64 and the same on every rank (one seed per group and
+phase). vLLM and torch are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
+from vllm_dcp_geometry.tooling.cli.ranks.cases import (
+    Shape,
+    decode_requests,
+    prefill_requests,
+)
+from vllm_dcp_geometry.tooling.cli.ranks.measuring import Meters
+from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
+    LAYER,
+    build_layer,
+    vllm_config,
+)
+from vllm_dcp_geometry.tooling.mla_rank_run import max_error, mla_reference
+
+Requests = list[tuple[int, int]]
+"""``(context, new)`` tokens per request."""
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """What every group this worker runs shares, fixed once its distributed
+    state exists."""
+
+    shape: Shape
+    world: int
+    rank: int
+    device: str
+    seed: int
+    model_dir: Path
+    patched: bool
+    partial_collectives: str | None
+    """Where partial groups run their collectives; None when unpatched."""
+    meters: Meters
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """One MLA group of the plan, as the launcher wrote it
+    (``run.plan_groups``; only the fields a worker reads)."""
+
+    index: int
+    name: str
+    block_size: int
+    shard_count: int
+    interleave: int
+    dcp_sharded: bool
+    draft: bool
+    dcp_kv_shard_count: int | None
+
+    @classmethod
+    def from_plan(cls, entry: dict[str, Any]) -> PlannedGroup:
+        return cls(**{f.name: entry[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a rank's shard of a group's KV goes: the group's block size, K
+    and interleave, and the rank's shard (``GroupGeometry.shard``)."""
+
+    block_size: int
+    shard_count: int
+    interleave: int
+    shard: int
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Float64 inputs of one forward, identical on every rank (one seed)."""
+
+    requests: Requests
+    kv_c: list[Any]
+    k_pe: list[Any]
+    q: Any
+    rows: list[Any]
+
+
+def make_inputs(
+    requests: Requests,
+    weight_heads: int,
+    shape: Shape,
+    num_blocks: int,
+    width: int,
+    seed: int,
+) -> Inputs:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*size: int) -> Any:
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    kv_c = [rand(c + n, shape.kv_lora_rank) for c, n in requests]
+    k_pe = [rand(c + n, shape.rope_dim) for c, n in requests]
+    tokens = sum(n for _, n in requests)
+    q = rand(tokens, weight_heads, shape.nope_dim + shape.rope_dim)
+    blocks = torch.randperm(num_blocks, generator=gen)
+    rows = [blocks[i * width : (i + 1) * width] for i in range(len(requests))]
+    return Inputs(list(requests), kv_c, k_pe, q, rows)
+
+
+def group_spec(group: PlannedGroup, shape: Shape, patched: bool) -> Any:
+    """The group's ``MLAAttentionSpec`` at the run's (scaled-down) head size
+    and dtype, with the topology's block size, sharding and (patched) K."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    extra: dict[str, Any] = {}
+    if patched and group.dcp_kv_shard_count is not None:
+        extra["dcp_kv_shard_count"] = group.dcp_kv_shard_count
+    return MLAAttentionSpec(
+        block_size=group.block_size,
+        num_kv_heads=1,
+        head_size=shape.kv_lora_rank + shape.rope_dim,
+        dtype=getattr(torch, shape.dtype),
+        dcp_sharded=group.dcp_sharded,
+        is_draft=group.draft,
+        **extra,
+    )
+
+
+def group_slots(
+    inputs: Inputs, layout: ShardLayout, positions: Callable[[int, int], range]
+) -> list[Any]:
+    """Per request, the contract's slot of each position in ``positions(c,
+    n)`` on the layout's shard (-1 where another shard owns it)."""
+    return [
+        reference_slot_mapping(
+            positions(context, new),
+            inputs.rows[i],
+            block_size=layout.block_size,
+            shard_count=layout.shard_count,
+            interleave_size=layout.interleave,
+            shard=layout.shard,
+        )
+        for i, (context, new) in enumerate(inputs.requests)
+    ]
+
+
+def write_cache(
+    inputs: Inputs, layout: ShardLayout, shape: Shape, num_blocks: int, device: str
+) -> Any:
+    """The rank's paged cache with its shard of every position, written by
+    vLLM's KV-write op (``concat_and_cache_mla``) at the contract's slots."""
+    import torch
+    import vllm._custom_ops as ops
+
+    dtype = getattr(torch, shape.dtype)
+    cache = torch.zeros(
+        num_blocks, layout.block_size, shape.kv_lora_rank + shape.rope_dim
+    )
+    cache = cache.to(device, dtype)
+    slots = group_slots(inputs, layout, lambda c, n: range(c + n))
+    for i, row_slots in enumerate(slots):
+        ops.concat_and_cache_mla(
+            inputs.kv_c[i].to(device, dtype),
+            inputs.k_pe[i].to(device, dtype),
+            cache,
+            torch.as_tensor(row_slots, device=device),
+            "auto",
+            torch.ones((), device=device),
+        )
+    return cache
+
+
+def common_metadata(inputs: Inputs, interleave: int, run: RankRun, slots: Any) -> Any:
+    """The runner's ``CommonAttentionMetadata`` (vLLM's global (D, r) local
+    lengths, as both model runners compute them)."""
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    requests, device = inputs.requests, run.device
+    seq_cpu = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
+    query = torch.tensor([n for _, n in requests], dtype=torch.int32)
+    starts_cpu = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    starts_cpu[1:] = query.cumsum(0)
+    seq = seq_cpu.to(device)
+    return CommonAttentionMetadata(
+        query_start_loc=starts_cpu.to(device),
+        query_start_loc_cpu=starts_cpu,
+        seq_lens=seq,
+        num_reqs=len(requests),
+        num_actual_tokens=int(query.sum()),
+        max_query_len=int(query.max()),
+        max_seq_len=int(seq_cpu.max()),
+        block_table_tensor=torch.stack(inputs.rows).to(device, torch.int32),
+        slot_mapping=slots.to(device),
+        dcp_local_seq_lens=get_dcp_local_seq_lens(seq, run.world, run.rank, interleave),
+        seq_lens_cpu_upper_bound=seq_cpu,
+    )
+
+
+@dataclass(frozen=True)
+class GroupSetUp:
+    """One group built on this rank: its layout, ``kv_b_proj`` weight (all
+    heads, float64), layer and builder, and the batches of its phases."""
+
+    group: PlannedGroup
+    layout: ShardLayout
+    weight: Any
+    layer: Any
+    builder: Any
+    cases: dict[str, Requests]
+    width: int
+    """Block-table entries per request."""
+    num_blocks: int
+
+
+def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
+    """The rank's layer and builder for ``group``, over a config with the
+    group's block size and interleave."""
+    import torch
+    from vllm.v1.worker.utils import AttentionGroup
+
+    shape, world, rank, device = run.shape, run.world, run.rank, run.device
+    k, block = group.shard_count, group.block_size
+    shard = GroupGeometry(group.name, k, world, rank).shard
+    heads = world * shape.heads_per_rank
+    gen = torch.Generator().manual_seed(run.seed + 7919 * group.index)
+    weight = torch.randn(
+        heads * (shape.nope_dim + shape.v_head_dim),
+        shape.kv_lora_rank,
+        generator=gen,
+        dtype=torch.float64,
+    )
+    weight *= shape.kv_lora_rank**-0.5
+    width = cdiv(shape.max_model_len, block * k)
+    cases = {
+        "decode": decode_requests(block, k, world, shape),
+        "prefill": prefill_requests(block, k, world, shape),
+    }
+    config = vllm_config(
+        run.model_dir,
+        world,
+        group.interleave,
+        block,
+        shape,
+        device,
+        run.partial_collectives,
+    )
+    layer, backend = build_layer(config, weight, rank, shape, device)
+    attn_group = AttentionGroup(
+        backend, [LAYER], group_spec(group, shape, run.patched), 0
+    )
+    attn_group.create_metadata_builders(config, torch.device(device))
+    return GroupSetUp(
+        group=group,
+        layout=ShardLayout(block, k, group.interleave, shard),
+        weight=weight,
+        layer=layer,
+        builder=attn_group.get_metadata_builder(),
+        cases=cases,
+        width=width,
+        num_blocks=width * max(len(r) for r in cases.values()) + 1,
+    )
+
+
+def run_forward(
+    inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
+) -> tuple[Any, dict[str, Any]]:
+    """One ``MLAAttention.forward_impl`` of this rank over ``inputs`` and
+    ``cache``: its output [tokens, h * V] and the LSEs it handed on."""
+    import torch
+
+    shape, device, rank = run.shape, run.device, run.rank
+    dtype = getattr(torch, shape.dtype)
+    new = group_slots(inputs, set_up.layout, lambda c, n: range(c, c + n))
+    slots = torch.as_tensor([s for row in new for s in row], dtype=torch.int64)
+    metadata = set_up.builder.build(
+        0, common_metadata(inputs, set_up.layout.interleave, run, slots)
+    )
+    contexts = [c for c, _ in inputs.requests]
+    kv_c = torch.cat([kv[c:] for kv, c in zip(inputs.kv_c, contexts, strict=True)])
+    k_pe = torch.cat([pe[c:] for pe, c in zip(inputs.k_pe, contexts, strict=True)])
+    h = shape.heads_per_rank
+
+    def on_device(tensor: Any) -> Any:
+        return tensor.to(device, dtype).contiguous()
+
+    output = torch.zeros(
+        inputs.q.shape[0], h * shape.v_head_dim, dtype=dtype, device=device
+    )
+    with run.meters.lse.recording() as seen:
+        set_up.layer.forward_impl(
+            on_device(inputs.q[:, rank * h : (rank + 1) * h]),
+            on_device(kv_c),
+            on_device(k_pe)[:, None, :],
+            cache,
+            metadata,
+            output=output,
+        )
+    return output, seen
+
+
+def _decode_lse_error(
+    set_up: GroupSetUp, seen: dict[str, Any], expected: Any, run: RankRun
+) -> float | None:
+    # The combine's LSE covers the query heads of every rank its
+    # collectives span (the replica's, or all D); a local one its own.
+    h = run.shape.heads_per_rank
+    w = set_up.layer.impl.dcp_world_size
+    got = seen.get("combined_lse" if w > 1 else "local_lse")
+    first = run.rank // w * w
+    if got is None:
+        return None
+    return max_error(got, expected[:, first * h : (first + w) * h])
+
+
+def _context_lse_error(
+    seen: dict[str, Any], expected: Any, run: RankRun
+) -> float | None:
+    h = run.shape.heads_per_rank
+    got = seen.get("context_lse")
+    if got is None:
+        return None
+    return max_error(got.T, expected[:, run.rank * h : (run.rank + 1) * h])
+
+
+def run_phase(
+    phase: str, requests: Requests, set_up: GroupSetUp, run: RankRun
+) -> dict[str, Any]:
+    """One forward of the group (``decode`` or ``prefill``) on fresh inputs:
+    its errors against the reference and its traffic, keyed by phase."""
+    shape, group = run.shape, set_up.group
+    inputs = make_inputs(
+        requests,
+        run.world * shape.heads_per_rank,
+        shape,
+        set_up.num_blocks,
+        set_up.width,
+        run.seed + 31 * group.index + len(phase),
+    )
+    cache = write_cache(inputs, set_up.layout, shape, set_up.num_blocks, run.device)
+    traffic = run.meters.traffic
+    with traffic.counted():
+        output, seen = run_forward(inputs, set_up, run, cache)
+    expected = mla_reference(
+        inputs.kv_c,
+        inputs.k_pe,
+        inputs.q,
+        set_up.weight,
+        inputs.requests,
+        nope_dim=shape.nope_dim,
+        v_head_dim=shape.v_head_dim,
+        scale=shape.scale,
+    )
+    own = shape.heads_per_rank * shape.v_head_dim
+    want = expected["out"][:, run.rank * own : (run.rank + 1) * own]
+    report: dict[str, Any] = {}
+    if phase == "decode":
+        lse_error = _decode_lse_error(set_up, seen, expected["lse"], run)
+        report["decode_tokens"] = inputs.q.shape[0]
+        report["impl_dcp_world_size"] = int(set_up.layer.impl.dcp_world_size)
+    else:
+        lse_error = _context_lse_error(seen, expected["context_lse"], run)
+    report[f"{phase}_max_abs_error"] = max_error(output, want)
+    report[f"{phase}_max_lse_error"] = lse_error
+    report[f"{phase}_bytes"] = traffic.total
+    report[f"{phase}_bytes_by_op"] = dict(traffic.by_op)
+    report[f"{phase}_collective_calls"] = traffic.calls
+    report[f"{phase}_collective_worlds"] = sorted(traffic.worlds)
+    return report
+
+
+def run_group(group: PlannedGroup, run: RankRun) -> dict[str, Any]:
+    """Build and run one MLA group on this rank; its errors and traffic."""
+    set_up = set_up_group(group, run)
+    report: dict[str, Any] = {"name": group.name}
+    for phase, requests in set_up.cases.items():
+        report.update(run_phase(phase, requests, set_up, run))
+    return report
