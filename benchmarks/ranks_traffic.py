@@ -52,6 +52,10 @@ def traffic_topology(dcp: int) -> Topology:
             "block_size": BLOCK_SIZE,
             "num_kv_heads": 1,
             "head_size": 576,
+            "kv_lora_rank": 512,
+            # Two query heads per rank: the traffic per head is what is
+            # compared, and a rank's work stays small on CPU.
+            "query_heads": 2 * dcp,
             "dtype": "bfloat16",
         }
         if k != dcp:

@@ -78,14 +78,25 @@ def test_partial_profile_and_the_table(capsys) -> None:
 
 @pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHMLA", "CUTLASS_MLA"])
 def test_an_mla_backend_applies_to_mla_groups_only(capsys, backend: str) -> None:
-    """The target's MLA groups run it; vLLM's selector refuses it for the
-    DSpark draft under DCP (no DSpark DCP support), and plan says so."""
-    plan, err = _plan(capsys, "--attention-backend", backend, status=EXIT_BAD_INPUT)
+    """The target's MLA groups run it; the DSpark draft does not inherit it
+    (vLLM's selector picks FLASHINFER_MLA); named for the draft through
+    ``--speculative-config``, vLLM's selector refuses it under DCP (no
+    DSpark DCP support), and plan says so."""
+    plan, _ = _plan(capsys, "--attention-backend", backend)
+    modes = _modes(plan)
+    assert modes["draft"] == ("local", "FLASHINFER_MLA")
+    assert modes["mla.0"] == ("dcp", backend)
+    assert modes["kda.0"] == ("none", None)
+    plan, err = _plan(
+        capsys,
+        "--speculative-config",
+        json.dumps({"attention_backend": backend}),
+        status=EXIT_BAD_INPUT,
+    )
     modes = _modes(plan)
     assert modes["draft"] == ("refused", backend)
     assert "refuses non-causal multi-token MLA decode" in err
-    assert modes["mla.0"] == ("dcp", backend)
-    assert modes["kda.0"] == ("none", None)
+    assert modes["mla.0"] == ("dcp", "FLASH_ATTN_MLA")
     plan, _ = _plan(
         capsys, "-p", "partial-shard-tp8-dcp8", "--attention-backend", backend
     )
@@ -103,7 +114,10 @@ def test_refused_group_exits_2_with_the_start_up_message(capsys) -> None:
     # TOKENSPEED_MLA runs the DSpark draft under DCP in vLLM, but the plugin
     # has not taught it a K.
     plan, err = _plan(
-        capsys, "--attention-backend", "TOKENSPEED_MLA", status=EXIT_BAD_INPUT
+        capsys,
+        "--speculative-config",
+        '{"attention_backend": "TOKENSPEED_MLA"}',
+        status=EXIT_BAD_INPUT,
     )
     (refused,) = [g for g in plan["groups"] if g["attention_mode"] == "refused"]
     assert refused["name"] == "draft"

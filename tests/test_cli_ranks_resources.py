@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """``ranks`` on a machine it does not fit, and a worker that dies.
 
-Checked: D workers that need more memory than the machine has available are
-refused before any process starts (exit 2, one line naming the need and the
-free memory); a worker killed by a signal, or one that exits without its
+Checked: D workers that need more memory than the machine has available at
+the groups' own shapes are refused before any process starts (exit 2, one
+line naming the need, the largest group's shapes and the free memory, and
+the ``--scale`` that fits where one does, checked to fit); a worker killed by a signal, or one that exits without its
 result, ends the run within seconds naming its rank and how it died, and its
 partner (waiting on the dead rank's collectives) is stopped. The workers here
 are tiny stand-in commands (``run.worker_command``), not vLLM: each run costs
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, main
+from vllm_dcp_geometry.tooling.cli.common.status import CliError
 from vllm_dcp_geometry.tooling.cli.ranks import resources, run
 
 PROFILE = "mla-mixed-tp4-dcp4"
@@ -44,10 +46,59 @@ def test_a_run_the_memory_cannot_hold_is_refused_before_any_worker_starts(
     monkeypatch.setattr(run.subprocess, "Popen", lambda *a, **k: spawned.append(a))
     assert main(["ranks", "-p", PROFILE, "--no-progress"]) == EXIT_BAD_INPUT
     assert _one_line(capsys) == (
-        "vllm-dcp-geometry: error: ranks: D=4 needs about 4.9 GB (4 workers x "
-        "1.23 GB), this machine has 2.0 GB available; use a smaller --dcp"
+        "vllm-dcp-geometry: error: ranks: D=4 needs about 5.2 GB (4 workers x "
+        "1.31 GB: 1.23 GB for vLLM and torch + 0.08 GB for group 'mla.k4' at "
+        "32 heads x 512+64 bfloat16), this machine has 2.0 GB available; use a "
+        "smaller --dcp"
     )
     assert spawned == []
+
+
+def _wide_topology(path: Path) -> Path:
+    """512 query heads per rank over contexts of ~2,000 tokens (block 256,
+    K = D = 4): about 8.6 GB per worker for its tensors alone."""
+    path.write_text(
+        'name = "wide"\n[parallel]\ntensor_parallel_size = 4\n'
+        "decode_context_parallel_size = 4\n[[groups]]\n"
+        'name = "mla.wide"\nkind = "mla"\nlayers = ["model.layers.0.attn"]\n'
+        "block_size = 256\nnum_kv_heads = 1\nhead_size = 576\n"
+        'kv_lora_rank = 512\nquery_heads = 2048\ndtype = "bfloat16"\n'
+    )
+    return path
+
+
+def test_shapes_the_memory_cannot_hold_are_refused_naming_the_scale_that_fits(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any, tmp_path: Path
+) -> None:
+    """vLLM and torch fit (4 x 1.23 GB in 12 GB), the group's own shapes do
+    not: refused, naming the smallest power-of-two ``--scale`` that fits;
+    that scale passes the same check, half of it does not."""
+    from vllm_dcp_geometry.tooling.cli.ranks import cases
+    from vllm_dcp_geometry.tooling.topology import load_topology_file
+
+    available = 12_000_000_000
+    monkeypatch.setattr(resources, "available_memory_bytes", lambda: available)
+    monkeypatch.setattr(run.subprocess, "Popen", lambda *a, **k: 1 / 0)
+    path = _wide_topology(tmp_path / "wide.toml")
+    assert main(["ranks", "-t", str(path), "--no-progress"]) == EXIT_BAD_INPUT
+    line = _one_line(capsys)
+    assert "ranks: D=4 needs about " in line
+    assert "for group 'mla.wide' at 512 heads x 512+64 bfloat16" in line
+    assert line.endswith(
+        "this machine has 12.0 GB available; run smaller shapes with --scale "
+        "8, or use a smaller --dcp"
+    )
+    topology = load_topology_file(path)
+
+    def check(scale: int) -> None:
+        groups = cases.plan_groups(
+            topology, gpu=False, scale=scale, partial_collectives="replica"
+        )
+        resources.check_memory(topology, groups, scale)
+
+    check(8)
+    with pytest.raises(CliError, match="with --scale 8, or"):
+        check(4)
 
 
 def test_available_memory_is_meminfos_else_psutils(tmp_path: Path) -> None:

@@ -291,7 +291,12 @@ def test_unknown_partial_collectives_is_bad_input(capsys, tmp_path):
 
 def test_refused_groups_have_no_cost(capsys):
     # FLASHMLA lacks DSpark DCP support: vLLM refuses the non-causal draft.
-    argv = ["plan", "--json", "--attention-backend", "FLASHMLA"]
+    argv = [
+        "plan",
+        "--json",
+        "--speculative-config",
+        '{"attention_backend": "FLASHMLA"}',
+    ]
     assert main(argv) == EXIT_BAD_INPUT
     groups = {g["name"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
     draft = groups["draft"]

@@ -16,8 +16,9 @@ this one module of the tooling.
   against the contract's slot mapping by the suite (``test_mla_stand_ins``).
 - ``install_cpu_stand_ins``: what a CPU worker of ``ranks`` calls once vLLM is
   imported: the ops above in ``vllm._custom_ops``, a device type and SM count
-  for the unspecified platform, no pinned host memory, and ``constexprs`` on
-  Triton's interpreted functions.
+  for the unspecified platform, no pinned host memory, ``constexprs`` on
+  Triton's interpreted functions, and the interpreter's ``tl.dot`` over
+  bfloat16 values rather than their bits (``INTERPRETER_DOT``).
 
 ``install_cpu_stand_ins`` assigns rather than going through the patch
 framework's ``wrap``: a stand-in replaces what is missing (there is no
@@ -32,8 +33,12 @@ torch and vLLM are imported inside the functions only.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import inspect
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -158,6 +163,40 @@ STAND_IN_SYMBOLS = (
 written against."""
 
 
+# The Triton interpreter's bfloat16 dot ------------------------------------------
+
+INTERPRETER_DOT = UpstreamSymbol(
+    "triton.runtime.interpreter",
+    "InterpreterBuilder.create_dot",
+    "self, a, b, d, input_precision, max_num_imprecise_acc",
+)
+"""The interpreter's ``tl.dot``: it holds bfloat16 as raw uint16 bits and
+(unlike fp8, which it widens) multiplies those bits as integers, so every
+bfloat16 ``tl.dot`` (TRITON_MLA's decode) returns garbage of order 1e10."""
+
+
+def _widen_bfloat16(handle: Any) -> Any:
+    """A bfloat16 interpreter tensor as the float32 it exactly is (its bits
+    are float32's upper half)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    if handle.dtype.scalar != tl.bfloat16:
+        return handle
+    bits = handle.data.astype(np.uint32) << 16
+    return TensorHandle(bits.view(np.float32), tl.float32)
+
+
+def _dot_of_bfloat16_values(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create_dot(self: Any, a: Any, b: Any, *args: Any) -> Any:
+        return original(self, _widen_bfloat16(a), _widen_bfloat16(b), *args)
+
+    create_dot.bfloat16_values = True  # type: ignore[attr-defined]
+    return create_dot
+
+
 # The swaps of a CPU worker -----------------------------------------------------
 
 
@@ -188,4 +227,181 @@ def install_cpu_stand_ins() -> list[str]:
     function: Any = interpreter.InterpretedFunction
     if not hasattr(function, "constexprs"):
         function.constexprs = property(_constexpr_indices)
-    return [f"{CUSTOM_OPS}.{name}" for name in STAND_IN_OPS]
+    builder: Any = interpreter.InterpreterBuilder
+    if not getattr(builder.create_dot, "bfloat16_values", False):
+        verify_symbol(INTERPRETER_DOT)
+        builder.create_dot = _dot_of_bfloat16_values(builder.create_dot)
+    return [
+        *(f"{CUSTOM_OPS}.{name}" for name in STAND_IN_OPS),
+        f"{INTERPRETER_DOT.module}.{INTERPRETER_DOT.qualname} (bfloat16)",
+    ]
+
+
+# What a planning build (a meta-device model, no kernel run) lacks ---------------
+
+
+class KernelNotHere(RuntimeError):
+    """A planning build reached for something only a GPU machine has."""
+
+
+def _kernel_not_here(*args: Any, **kwargs: Any) -> Any:
+    raise KernelNotHere(
+        "a planning build reads KV-cache specs and runs no attention kernel; "
+        "this FlashAttention kernel exists only on a CUDA machine"
+    )
+
+
+FLASH_ATTENTION_PACKAGE = "vllm.vllm_flash_attn"
+FLASH_ATTENTION_INTERFACE = f"{FLASH_ATTENTION_PACKAGE}.flash_attn_interface"
+
+
+def _sm90_flash_attention_version(version: int, *args: Any) -> bool:
+    # An H200 (SM90) runs FlashAttention 2 and 3; 4 is Blackwell's.
+    return version in (2, 3)
+
+
+SM90_FLASH_ATTENTION_PROBES = {"is_fa_version_supported": _sm90_flash_attention_version}
+"""What vLLM's FlashAttention layers ask the kernel package while they are
+built, answered as on an H200."""
+
+
+class _KernelsNotHere(types.ModuleType):
+    """A CUDA kernel package on a machine without it: every name is a
+    function that raises when called, except the version probes an SM90
+    machine answers (``SM90_FLASH_ATTENTION_PROBES``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return SM90_FLASH_ATTENTION_PROBES.get(name, _kernel_not_here)
+
+
+CAPABILITY_PROBES = {
+    "cutlass_scaled_mm_supports_block_fp8": False,
+    "cutlass_scaled_mm_supports_fp8": False,
+}
+"""The ops of vLLM's CUDA extension that vLLM calls while importing (to
+choose weight kernels, never a KV-cache spec), and what a planning process
+answers for them."""
+
+
+def _answers(answer: Any) -> Callable[..., Any]:
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        return answer
+
+    return probe
+
+
+BUILD_TIME_ANSWERS = {("_flashkda_C", "get_workspace_size"): 0}
+"""Ops of vLLM's CUDA extensions that a layer calls while it is built, to
+size a kernel workspace (never a KV-cache spec), and what a planning build
+answers for them."""
+
+CUDA_EXTENSIONS = ("vllm._flashkda_C", "vllm._flashmla_C", "vllm._flashmla_extension_C")
+"""vLLM's CUDA extension modules (shipped in its wheel, built for SM90) that
+a layer or backend imports while it is built, only to register its ops or to
+see that the kernels exist; a planning process that cannot load one (no CUDA
+driver) gets an empty module in its place."""
+
+
+class _OpsNotHere:
+    """An op namespace whose missing ops are functions that raise when
+    called: what a layer binds while it is built (it calls none, except the
+    workspace sizes of ``BUILD_TIME_ANSWERS``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            key = (object.__getattribute__(self, "name"), name)
+            if key in BUILD_TIME_ANSWERS:
+                return _answers(BUILD_TIME_ANSWERS[key])
+            return _OpNotHere(name)
+
+
+class _OpNotHere:
+    """A missing op and its overloads (``.default``, ``.out``): bound freely
+    (compile-pass modules name ops when imported), never run."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _kernel_not_here(self._name)
+
+
+class _DeviceHandleNotHere:
+    """A CUDA stream or event a layer makes when built and uses only when
+    run: made freely, used never."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise KernelNotHere(f"a planning build has no CUDA stream or event ({name})")
+
+
+CUDA_HANDLES = ("Stream", "Event")
+
+
+@contextlib.contextmanager
+def ops_bound_not_run(
+    namespaces: Sequence[str] = ("_C", "_moe_C", "_flashkda_C"),
+) -> Any:
+    """While a planning build constructs layers: the missing ops of vLLM's
+    CUDA extension namespaces are functions that raise when called, and CUDA
+    streams and events are handles that cannot be used. Only for the build:
+    vLLM's import-time ``hasattr`` probes must see the truth."""
+    import torch
+
+    handles = {name: getattr(torch.cuda, name) for name in CUDA_HANDLES}
+    for name in CUDA_HANDLES:
+        setattr(torch.cuda, name, _DeviceHandleNotHere)
+    swapped = []
+    for namespace in namespaces:
+        ops = getattr(torch.ops, namespace)
+        original = type(ops)
+        ops.__class__ = type("OpsNotHere", (_OpsNotHere, original), {})
+        swapped.append((ops, original))
+    try:
+        yield
+    finally:
+        for ops, original in swapped:
+            ops.__class__ = original
+        for name, handle in handles.items():
+            setattr(torch.cuda, name, handle)
+
+
+def install_planning_stand_ins() -> list[str]:
+    """In a planning process (CUDA's model code built on the meta device):
+    vLLM's FlashAttention kernel package, which needs its CUDA extension to
+    import, stood in for by one whose kernels raise when called, so that the
+    FlashAttention backends (SM90's first choice) import and a layer can be
+    built on them. Only a package that does not import is stood in for; the
+    names stood in for, as reported."""
+    import torch
+
+    for name, answer in CAPABILITY_PROBES.items():
+        if not hasattr(torch.ops._C, name):
+            setattr(torch.ops._C, name, _answers(answer))
+    stood_in = []
+    for extension in CUDA_EXTENSIONS:
+        try:
+            importlib.import_module(extension)
+        except ImportError:
+            sys.modules[extension] = types.ModuleType(extension)
+            stood_in.append(extension)
+    try:
+        importlib.import_module(FLASH_ATTENTION_PACKAGE)
+    except ImportError:
+        for name in (FLASH_ATTENTION_PACKAGE, FLASH_ATTENTION_INTERFACE):
+            sys.modules[name] = _KernelsNotHere(name)
+            stood_in.append(name)
+    return stood_in

@@ -4,7 +4,7 @@
 on any device (what a CPU lacks besides is stood in for in ``cpu_stand_ins``):
 
 - ``mla_reference``: float64 single-device MLA attention, what every rank's
-  output and LSE are held to, and ``max_error``;
+  output and LSE are held to, ``max_error`` and ``magnitude``;
 - ``build_mla_layer`` and ``write_deepseek_config``: one rank's real MLA
   layer over a weightless DeepSeek-shaped config.
 
@@ -61,6 +61,16 @@ def mla_reference(
         "lse": torch.stack(lses),
         "context_lse": torch.stack(context_lses),
     }
+
+
+def magnitude(want: Any) -> float:
+    """Max |want| over its finite entries (0.0 where none is finite): the
+    size of the values an error is measured against."""
+    import torch
+
+    want = want.double().cpu()
+    finite = want[torch.isfinite(want)]
+    return float(finite.abs().max().item()) if finite.numel() else 0.0
 
 
 def max_error(got: Any, want: Any) -> float:

@@ -40,6 +40,28 @@ def _torch_dtype(name: str, where: str) -> Any:
     return dtype
 
 
+def _block_stride(f: Any) -> dict[str, Any]:
+    """``block_stride_alignment`` as the spec takes it: an exact stride or
+    (``block_stride_multiple_of``) vLLM's ``MultipleOf``."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    if "block_stride_multiple_of" in f:
+        return {"block_stride_alignment": MultipleOf(f["block_stride_multiple_of"])}
+    if "block_stride_alignment" in f:
+        return {"block_stride_alignment": f["block_stride_alignment"]}
+    return {}
+
+
+def _named_member(enum: Any, name: str, where: str) -> Any:
+    try:
+        return enum[name]
+    except KeyError as exc:
+        names = [member.name for member in enum]
+        raise TopologyError(
+            f"{where}: unknown {enum.__name__} {name!r}; one of {names}"
+        ) from exc
+
+
 def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
     """The vLLM ``KVCacheSpec`` of one group.
 
@@ -62,6 +84,10 @@ def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
             "num_speculative_blocks": f.get("num_speculative_blocks", 0),
             "num_prefill_checkpoint_blocks": f.get("num_prefill_checkpoint_blocks", 0),
         }
+        for key in ("page_size_padded", "prefill_checkpoint_alignment"):
+            if key in f:
+                kwargs[key] = f[key]
+        kwargs.update(_block_stride(f))
         if "mamba_type" in f:
             try:
                 kwargs["mamba_type"] = MambaAttentionBackendEnum[f["mamba_type"]]
@@ -80,8 +106,14 @@ def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
         "dcp_sharded": group.dcp_sharded,
         "is_draft": group.draft,
     }
-    if "head_size_v" in f:
-        kwargs["head_size_v"] = f["head_size_v"]
+    for key in ("head_size_v", "page_size_padded", "max_tp_shards"):
+        if key in f:
+            kwargs[key] = f[key]
+    kwargs.update(_block_stride(f))
+    if "kv_quant_mode" in f:
+        kwargs["kv_quant_mode"] = _named_member(
+            kvi.KVQuantMode, f["kv_quant_mode"], where
+        )
     if patched and group.dcp_kv_shard_count is not None:
         kwargs["dcp_kv_shard_count"] = group.dcp_kv_shard_count
     if group.kind == "mla":
@@ -90,6 +122,8 @@ def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
             "cache_dtype_str",
             "non_causal_multi_token_decode",
             "state_content_bytes",
+            "topk_buffer_width",
+            "is_index_group_leader",
         ):
             if key in f:
                 kwargs[key] = f[key]

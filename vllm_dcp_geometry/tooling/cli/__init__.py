@@ -98,7 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        # What this parser does not know goes to vLLM's serve parser when a
+        # model is planned (``flags.model_serve_flags``); otherwise it is
+        # refused there.
+        args, serve_flags = build_parser().parse_known_args(argv)
+        args.serve_flags = serve_flags
+        if serve_flags and not hasattr(args, "model"):
+            raise CliError(f"unrecognized arguments: {' '.join(serve_flags)}")
         args.argv = argv
         return int(args.func(args))
     except SystemExit as exc:  # argparse's --help

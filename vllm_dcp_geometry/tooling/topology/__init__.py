@@ -13,7 +13,10 @@ Topologies come from the built-in profiles
 - ``model``: ``CacheGroup`` and ``Topology``, validated against the contract;
 - ``parsing``: a parsed TOML/JSON document to a ``Topology``;
 - ``files``: topology files and the built-in profiles;
-- ``limits``: the ranges values may take, bounded by what vLLM can represent.
+- ``limits``: the ranges values may take, bounded by what vLLM can represent;
+- ``overrides``: ``--additional-config``'s ``dcp_geometry`` section applied to
+  the groups, by the contract functions start-up applies;
+- ``writing``: a topology written back as a TOML or JSON topology file.
 
 Nothing here imports vLLM: a layout the contract forbids fails before any vLLM
 object is built, with a message naming the group.
@@ -34,7 +37,9 @@ from vllm_dcp_geometry.tooling.topology.model import (
     CacheGroup,
     Topology,
 )
+from vllm_dcp_geometry.tooling.topology.overrides import apply_additional_config
 from vllm_dcp_geometry.tooling.topology.parsing import topology_from_mapping
+from vllm_dcp_geometry.tooling.topology.writing import write_topology_file
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -45,8 +50,10 @@ __all__ = [
     "CacheGroup",
     "Topology",
     "TopologyError",
+    "apply_additional_config",
     "load_profile",
     "load_topology_file",
     "profile_names",
     "topology_from_mapping",
+    "write_topology_file",
 ]

@@ -32,6 +32,10 @@ ATTENTION_KINDS = ("full_attention", "mla", "sliding_window")
 RECURRENT_KINDS = ("mamba",)
 KINDS = ATTENTION_KINDS + RECURRENT_KINDS
 MAMBA_CACHE_MODES = ("none", "align", "all")
+TOPOLOGY_SOURCE = "topology"
+GROUP_SOURCES = ("model", "config", TOPOLOGY_SOURCE)
+"""Where a group came from: built from vLLM's real layers (``--model``),
+derived from vLLM's model config, or written in a topology file."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,11 @@ class CacheGroup:
     """An MLA group's latent rank L (None: not given). Not a spec field: a
     cache row is L latent values then ``head_size - L`` rope values, so
     ``0 < L < head_size``."""
+    source: str = TOPOLOGY_SOURCE
+    """``GROUP_SOURCES``: where the group came from."""
+    built_backend: str | None = None
+    """The attention backend vLLM built the layers on (``source`` "model"
+    only; None: ``plan`` chooses as vLLM would on SM90)."""
 
     @property
     def rope_dim(self) -> int | None:
@@ -123,6 +132,8 @@ class CacheGroup:
                 else {}
             ),
             **{k: _jsonable(v) for k, v in sorted(self.spec_fields.items())},
+            **({"source": self.source} if self.source != TOPOLOGY_SOURCE else {}),
+            **({"attention_backend": self.built_backend} if self.built_backend else {}),
         }
 
 

@@ -22,8 +22,10 @@ from vllm_dcp_geometry.tooling.topology.limits import (
 )
 from vllm_dcp_geometry.tooling.topology.model import (
     ATTENTION_KINDS,
+    GROUP_SOURCES,
     KINDS,
     MAMBA_CACHE_MODES,
+    TOPOLOGY_SOURCE,
     CacheGroup,
     Topology,
 )
@@ -37,6 +39,11 @@ _ATTENTION_FIELDS = frozenset(
         "head_size_v",
         "dtype",
         "dcp_kv_shard_count",
+        "page_size_padded",
+        "max_tp_shards",
+        "kv_quant_mode",
+        "block_stride_alignment",
+        "block_stride_multiple_of",
     }
 )
 _MAMBA_FIELDS = frozenset(
@@ -47,6 +54,10 @@ _MAMBA_FIELDS = frozenset(
         "num_speculative_blocks",
         "num_prefill_checkpoint_blocks",
         "mamba_cache_mode",
+        "page_size_padded",
+        "prefill_checkpoint_alignment",
+        "block_stride_alignment",
+        "block_stride_multiple_of",
     }
 )
 _SPEC_FIELDS: dict[str, frozenset[str]] = {
@@ -57,6 +68,8 @@ _SPEC_FIELDS: dict[str, frozenset[str]] = {
         "non_causal_multi_token_decode",
         "cache_role",
         "state_content_bytes",
+        "topk_buffer_width",
+        "is_index_group_leader",
     },
     "sliding_window": _ATTENTION_FIELDS | {"sliding_window"},
     "mamba": _MAMBA_FIELDS,
@@ -68,7 +81,13 @@ _REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "mamba": ("shapes", "dtypes"),
 }
 _POSITIVE_FIELDS = (
+    "block_stride_alignment",
+    "block_stride_multiple_of",
+    "max_tp_shards",
+    "topk_buffer_width",
     "state_content_bytes",
+    "page_size_padded",
+    "prefill_checkpoint_alignment",
     "num_kv_heads",
     "head_size",
     "head_size_v",
@@ -77,6 +96,7 @@ _POSITIVE_FIELDS = (
 )
 _COUNT_FIELDS = ("num_speculative_blocks", "num_prefill_checkpoint_blocks")
 _NAME_FIELDS = (
+    "kv_quant_mode",
     "dtype",
     "cache_dtype_str",
     "mamba_type",
@@ -94,6 +114,8 @@ _GROUP_KEYS = frozenset(
         "draft",
         "layer_class",
         "attention_features",
+        "source",
+        "attention_backend",
     }
 )
 # Per-group model shapes that only size plan's decode collectives: never spec
@@ -228,6 +250,18 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
             raise TopologyError(f"{where}: only attention groups have a layer_class")
         _layer_class(layer_class, where)
     features = _attention_features(raw.get("attention_features", []), kind, where)
+    source = raw.get("source", TOPOLOGY_SOURCE)
+    if source not in GROUP_SOURCES:
+        raise TopologyError(
+            f"{where}: 'source' must be one of {list(GROUP_SOURCES)}, "
+            f"got {show(source)}"
+        )
+    built_backend = raw.get("attention_backend")
+    if built_backend is not None and (source != "model" or kind not in ATTENTION_KINDS):
+        raise TopologyError(
+            f"{where}: 'attention_backend' is the backend vLLM built the layers "
+            "on, for a group with source 'model' only"
+        )
     cost = {
         key: POSITIVE_INT32.check(raw[key], f"{where}: {key}")
         for key in sorted(_COST_FIELDS[kind])
@@ -244,6 +278,8 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         attention_features=features,
         query_heads=cost.get("query_heads"),
         kv_lora_rank=cost.get("kv_lora_rank"),
+        source=source,
+        built_backend=built_backend,
     )
 
 
@@ -281,7 +317,11 @@ def _check_spec_fields(fields_: dict[str, Any], where: str) -> None:
     for key in _COUNT_FIELDS:
         if key in fields_:
             NON_NEGATIVE_INT32.check(fields_[key], f"{where}: {key}")
-    for key in ("dcp_sharded", "non_causal_multi_token_decode"):
+    for key in (
+        "dcp_sharded",
+        "non_causal_multi_token_decode",
+        "is_index_group_leader",
+    ):
         if key in fields_ and not isinstance(fields_[key], bool):
             raise TopologyError(f"{where}: {key} must be true or false")
     for key in _NAME_FIELDS:

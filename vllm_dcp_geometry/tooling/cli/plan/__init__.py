@@ -15,8 +15,15 @@ from __future__ import annotations
 import argparse
 
 from vllm_dcp_geometry.tooling.cli.common import capacity, runs
-from vllm_dcp_geometry.tooling.cli.common.flags import add_topology_args, load_topology
+from vllm_dcp_geometry.tooling.cli.common.flags import (
+    add_topology_args,
+    json_object_flag,
+    load_topology,
+)
 from vllm_dcp_geometry.tooling.cli.common.status import EXIT_OK, report_bad_input
+from vllm_dcp_geometry.tooling.cli.plan.attention import (
+    check_draft_attention_backend,
+)
 from vllm_dcp_geometry.tooling.cli.plan.document import build_plan, first_refusal
 from vllm_dcp_geometry.tooling.cli.plan.output import format_plan
 
@@ -29,8 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
         metavar="NAME",
-        help="vLLM attention backend for the groups of its kind (MLA or not); "
-        "default: vLLM's first choice on SM90 (FLASH_ATTN_MLA, FLASH_ATTN)",
+        help="vLLM attention backend for the target's groups of its kind (MLA "
+        "or not) and the drafts that inherit it; default: vLLM's first choice "
+        "on SM90 (FLASH_ATTN_MLA, FLASH_ATTN)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        type=json_object_flag("--speculative-config", optional=True),
+        help="vllm serve's flag: its attention_backend is the drafts' (else a "
+        "DSpark draft gets vLLM's choice, an EAGLE/MTP draft the target's)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -40,7 +55,12 @@ def command(args: argparse.Namespace) -> int:
     topology = load_topology(args)
     runs.prepare_vllm(args, patched=True)
     capacity.check_topology_capacity(topology)
-    document = build_plan(topology, args.attention_backend)
+    document = build_plan(
+        topology,
+        args.attention_backend,
+        draft_attention_backend=check_draft_attention_backend(args.speculative_config),
+    )
+    document["inputs"]["additional_config"] = args.additional_config
     document.update(runs.versions())
     runs.emit(document, args.json, format_plan(document))
     refusal = first_refusal(document)

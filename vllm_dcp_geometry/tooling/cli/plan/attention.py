@@ -2,10 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """How each group's attention runs at start-up, for ``plan``.
 
-The backend vLLM 0.33.0 picks for a group on SM90 (or ``--attention-backend``
-for the groups of its kind), the layer class that reads its cache, vLLM's own
-selector refusal (which no K changes), and the plugin's admission rule, the
-same one start-up applies (``attention_admission.admit_attention``).
+The backend vLLM 0.33.0 picks for a group on SM90 (or the backend named for
+it, for the groups of its kind: ``--attention-backend`` for the target, for a
+draft the one ``draft_backend`` gives), the layer class that reads its cache,
+vLLM's own selector refusal (which no K changes), and the plugin's admission
+rule, the same one start-up applies (``attention_admission.admit_attention``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,56 @@ def check_attention_backend(name: str | None) -> str | None:
     return name
 
 
+def check_draft_attention_backend(speculative_config: Any) -> str | None:
+    """The backend ``--speculative-config`` names for the draft, read by
+    vLLM's own ``SpeculativeConfig`` validator (any case; ``"auto"`` and
+    none: None); anything else exits 2 naming the flag."""
+    if not speculative_config or "attention_backend" not in speculative_config:
+        return None
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    value = speculative_config["attention_backend"]
+    try:
+        backend = SpeculativeConfig._parse_attention_backend(value)
+    except (KeyError, ValueError) as exc:
+        raise TopologyError(f"--speculative-config attention_backend: {exc}") from exc
+    if backend is not None and not isinstance(backend, AttentionBackendEnum):
+        raise TopologyError(
+            "--speculative-config attention_backend must be a vLLM attention "
+            f"backend name or 'auto', got {value!r}"
+        )
+    return None if backend is None else backend.name
+
+
+def draft_inherits_target_backend(group: CacheGroup) -> bool:
+    """Whether vLLM 0.33.0 gives a draft the target's backend when the
+    speculative config names none (Model Runner V2, which DSpark needs and
+    which is the default). EAGLE and MTP drafts inherit it
+    (``load_eagle_model`` applies ``SpeculativeConfig.apply_draft_overrides``,
+    whose ``_DRAFT_VLLM_CONFIG_OVERRIDES`` set the draft's backend only when
+    named); a DSpark draft does not (``_resolve_dspark_attention_backend``:
+    only DeepSeek-V4 drafts take the target's, others leave the choice to
+    vLLM's selector). A group with ``non_causal_multi_token_decode`` is
+    Kimi-K3's DSpark draft, the one vLLM 0.33.0 layer that sets it; any other
+    draft group stands for an EAGLE/MTP draft (a test checks both rules
+    against vLLM's functions)."""
+    return not group.spec_fields.get("non_causal_multi_token_decode", False)
+
+
+def draft_backend(
+    group: CacheGroup, target_backend: str | None, named_backend: str | None
+) -> str | None:
+    """The backend named for the group: ``--attention-backend`` for a target
+    group; for a draft, the speculative config's own, else the target's where
+    the draft inherits it, else none (vLLM's selector picks)."""
+    if not group.draft:
+        return target_backend
+    if named_backend is not None:
+        return named_backend
+    return target_backend if draft_inherits_target_backend(group) else None
+
+
 def default_attention_backend(group: CacheGroup, dcp: int) -> str:
     """The backend vLLM 0.33.0 selects for the group on SM90."""
     if group.layer_class in LAYER_CLASS_BACKENDS:
@@ -144,11 +195,16 @@ def group_attention(
 ) -> dict[str, Any]:
     """How the group's attention runs at start-up: the admission rule the
     runtime calls, with the group named as the runtime names KV-cache group
-    ``index`` and its first layer standing for the layer class."""
+    ``index`` and its first layer standing for the layer class.
+    ``attention_backend`` is the backend named for the group
+    (``draft_backend``), applied if it is of the group's kind."""
     dcp = topology.decode_context_parallel_size
     kind = _ATTENTION_KINDS[group.kind]
     backend = None
-    if kind is not AttentionKind.NONE:
+    if group.built_backend is not None:
+        # Built by vLLM's selector with the serve flags' backends already.
+        backend = group.built_backend
+    elif kind is not AttentionKind.NONE:
         backend = default_attention_backend(group, dcp)
         if (
             attention_backend is not None

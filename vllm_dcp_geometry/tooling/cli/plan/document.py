@@ -26,6 +26,7 @@ from vllm_dcp_geometry.runtime.geometry import (
 from vllm_dcp_geometry.tooling import vllm_objects
 from vllm_dcp_geometry.tooling.cli.plan.attention import (
     check_attention_backend,
+    draft_backend,
     group_attention,
 )
 from vllm_dcp_geometry.tooling.cli.plan.cost import group_cost
@@ -123,7 +124,8 @@ def _plan_group(
     attention_backend: str | None,
 ) -> dict[str, Any]:
     """One group's row: the patched geometry, unpatched vLLM's (its original
-    methods), how its attention runs and what its decode collectives cost."""
+    methods), how its attention runs (``attention_backend``: the backend
+    named for the group) and what its decode collectives cost."""
     from vllm_dcp_geometry.runtime.worker_admission import upstream_read_shard_count
 
     dcp = topology.decode_context_parallel_size
@@ -156,12 +158,15 @@ def _plan_group(
     attention = group_attention(group, index, spec, topology, attention_backend)
     return {
         "name": group.name,
+        "source": group.source,
         "kind": group.kind,
         "draft": group.draft,
         "layout": group.layout.value,
         "num_layers": len(group.layers),
         "layers": list(group.layers),
         "block_size": group.block_size,
+        "query_heads": group.query_heads,
+        "kv_lora_rank": group.kv_lora_rank,
         "page_size_bytes": spec.page_size_bytes,
         **patched,
         **attention,
@@ -172,12 +177,18 @@ def _plan_group(
 
 
 def build_plan(
-    topology: Topology, attention_backend: str | None = None
+    topology: Topology,
+    attention_backend: str | None = None,
+    *,
+    draft_attention_backend: str | None = None,
 ) -> dict[str, Any]:
     """The plan as a JSON-ready mapping. vLLM must be patched (registered).
 
-    ``attention_backend`` (a vLLM backend name) replaces the default backend
-    of the groups of its kind; every group gets its ``attention_mode``.
+    ``attention_backend`` (a vLLM backend name, ``--attention-backend``)
+    replaces the default backend of the target's groups of its kind;
+    ``draft_attention_backend`` (``--speculative-config``'s) the drafts', which
+    otherwise follow vLLM's rule (``attention.draft_backend``). Every group
+    gets its ``attention_mode``.
     """
     if not vllm_objects.is_vllm_patched():
         raise TopologyError(
@@ -186,7 +197,13 @@ def build_plan(
     config = vllm_objects.sizing_config(topology)
     attention_backend = check_attention_backend(attention_backend)
     groups = [
-        _plan_group(group, index, topology, config, attention_backend)
+        _plan_group(
+            group,
+            index,
+            topology,
+            config,
+            draft_backend(group, attention_backend, draft_attention_backend),
+        )
         for index, group in enumerate(topology.groups)
     ]
     totals = _totals(groups)
@@ -203,7 +220,11 @@ def build_plan(
         "command": "plan",
         "topology": topology.name,
         "source": topology.source,
-        "inputs": {**layout_inputs(topology), "attention_backend": attention_backend},
+        "inputs": {
+            **layout_inputs(topology),
+            "attention_backend": attention_backend,
+            "draft_attention_backend": draft_attention_backend,
+        },
         "groups": groups,
         "totals": totals,
     }

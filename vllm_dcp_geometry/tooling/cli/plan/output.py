@@ -172,16 +172,31 @@ def _attention_lines(plan: dict[str, Any]) -> list[str]:
         if g["attention_backend"] is not None:
             backends.setdefault(g["attention_backend"], []).append(g["name"])
     used = "; ".join(f"{name}: {', '.join(names)}" for name, names in backends.items())
-    chosen = plan["inputs"]["attention_backend"]
     source = "vLLM's first choice on SM90"
-    if chosen:
-        source = f"--attention-backend {chosen} for its kind, else {source}"
+    target = plan["inputs"]["attention_backend"]
+    draft = plan["inputs"].get("draft_attention_backend")
+    named = []
+    if target:
+        # Drafts inherit it unless the speculative config names theirs.
+        whom = "the target" if draft else "the target and the EAGLE/MTP drafts"
+        named.append(f"--attention-backend {target} for {whom}")
+    if draft:
+        named.append(f"--speculative-config attention_backend {draft} for the drafts")
+    if named:
+        source = f"{'; '.join(named)}, for the groups of its kind; else {source}"
+    sources: dict[str, list[str]] = {}
+    for g in plan["groups"]:
+        sources.setdefault(g.get("source", "topology"), []).append(g["name"])
+    if "model" in sources:
+        source = "as vLLM built the layers for the serve flags, on SM90"
     classes: dict[str, list[str]] = {}
     for g in plan["groups"]:
         if g["layer_class"] is not None:
             classes.setdefault(g["layer_class"], []).append(g["name"])
     by_class = "; ".join(f"{name}: {', '.join(gs)}" for name, gs in classes.items())
+    where = "; ".join(f"{name}: {', '.join(gs)}" for name, gs in sources.items())
     lines = [
+        f"group sources (model: built from vLLM's model code): {where}",
         f"attention backends ({source}): {used or 'none'}",
         f"attention layer classes: {by_class or 'none'}",
     ]

@@ -14,21 +14,31 @@ within their K-rank replica groups, made by the same start-up code as
 ``vllm serve``'s workers; ``--partial-collectives dcp`` keeps them on the
 D-wide DCP group), and holds every rank's output and LSE to a float64
 single-device reference, counting the bytes each rank moves through the DCP
-and replica groups (``measuring``). Sizes are scaled down (``cases``); groups
-whose backends need CUDA, recurrent groups and layer classes this command does
-not build are listed with the reason. The CPU switches the workers need are set only in
+and replica groups (``measuring``). Every group runs at its own shapes
+(``cases``: query heads per rank, latent and rope dims, dtype, block size,
+K, interleave); ``--scale N`` divides the query heads per rank by N where
+the operator asks, and the output says so. Partial groups' collectives go where the
+topology's ``[parallel] partial_collectives`` says, as for ``plan``, unless
+``--partial-collectives`` says otherwise. Groups whose backends need CUDA,
+recurrent groups, layer classes this command does not build and groups with
+no shapes in the topology are listed with the reason; a topology with no
+group to run is refused. The CPU switches the workers need are set only in
 their environment (``tooling.cpu_stand_ins``). The text is ``report``'s.
 
 ``--baseline`` also runs the same ranks on unpatched vLLM (children with
 ``VLLM_PLUGINS=""``); the exit status is then 1 where unpatched vLLM is
-wrong too. Exit 0 clean, 1 wrong numerics, 2 bad input.
+wrong too. Exit 0 clean, 1 wrong numerics or bytes that differ from the
+traffic formula, 2 bad input (no group to run, a machine that cannot hold
+the run).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
 
-from vllm_dcp_geometry.contract.collectives import PARTIAL_COLLECTIVES, REPLICA
+from vllm_dcp_geometry.contract.collectives import PARTIAL_COLLECTIVES
 from vllm_dcp_geometry.tooling.cli.common import runs
 from vllm_dcp_geometry.tooling.cli.common.flags import (
     add_topology_args,
@@ -36,6 +46,7 @@ from vllm_dcp_geometry.tooling.cli.common.flags import (
     load_topology,
     output_file,
 )
+from vllm_dcp_geometry.tooling.cli.common.noise import third_party_noise_hidden
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_baseline, format_report
 from vllm_dcp_geometry.tooling.cli.ranks.run import run_ranks
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
@@ -50,6 +61,10 @@ MAX_RANKS = 16
 """Worker processes one run may start (each imports vLLM; the memory D of them
 need is checked against this machine's before they start:
 ``resources.check_memory``)."""
+
+MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
+
+SCALE_RANGE = IntRange(1, 1024, "a divisor of the groups' query heads per rank")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,9 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--partial-collectives",
         choices=PARTIAL_COLLECTIVES,
-        default=REPLICA,
+        default=None,
         help="where partial MLA groups run their collectives: within their "
-        "K-rank replica (default) or on the D-wide DCP group",
+        "K-rank replica or on the D-wide DCP group (default: the topology's "
+        "[parallel] partial_collectives, as plan reads it)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=int_flag(SCALE_RANGE),
+        default=1,
+        metavar="N",
+        help="run smaller shapes: divide every group's query heads per rank "
+        "by N, rounded up (default 1: the groups' own shapes); kv_lora_rank, "
+        "rope dim, dtype, block size, K and interleave stay (vLLM's MLA "
+        "admits latent rows of 320, 512 or 576 only)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -78,6 +104,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the random K/V, queries and weights",
     )
+
+
+def import_mla_quietly(verbose: bool) -> None:
+    """Import vLLM's MLA module (planning asks it which latent rows it
+    admits) with its import notes kept out of the output: torch's (hidden
+    by ``noise``) and vLLM's platform warnings (a CPU build has no
+    ``vllm._C``), which it logs before its log format is set."""
+    if verbose:
+        importlib.import_module(MLA_ATTENTION)
+        return
+    with third_party_noise_hidden():
+        importlib.import_module("vllm.logger")
+        vllm_logger = logging.getLogger("vllm")
+        before = vllm_logger.level
+        vllm_logger.setLevel(logging.ERROR)
+        try:
+            importlib.import_module(MLA_ATTENTION)
+        finally:
+            vllm_logger.setLevel(before)
 
 
 def check_inputs(topology: Topology) -> None:
@@ -99,19 +144,26 @@ def command(args: argparse.Namespace) -> int:
     check_inputs(topology)
     verbose = getattr(args, "verbose", False)
     progress = not args.no_progress
+    import_mla_quietly(verbose)
+    where = args.partial_collectives or topology.partial_collectives
     report = run_ranks(
         topology,
         patched=True,
         seed=args.seed,
         progress=progress,
         verbose=verbose,
-        partial_collectives=args.partial_collectives,
+        scale=args.scale,
+        partial_collectives=where,
     )
     report.update(runs.versions())
     report["inputs"] = {
         **runs.source_inputs(args),
         "seed": args.seed,
-        "partial_collectives": args.partial_collectives,
+        "scale": args.scale,
+        "partial_collectives": where,
+        "partial_collectives_from": "--partial-collectives"
+        if args.partial_collectives
+        else "topology [parallel] partial_collectives",
         "topology": topology.to_dict(),
     }
     text = format_report(report)
@@ -123,6 +175,7 @@ def command(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=progress,
             verbose=verbose,
+            scale=args.scale,
         )
         report["baseline"] = baseline
         report["patched_ok"] = report["ok"]

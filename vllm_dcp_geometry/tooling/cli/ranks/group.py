@@ -12,15 +12,17 @@ context, counting the collectives (``measuring.Traffic``) and recording the
 LSEs the attention hands on; the output and LSEs are compared with
 ``mla_rank_run.mla_reference``.
 
-Random inputs are float64 and the same on every rank (one seed per group and
-phase). vLLM and torch are imported inside the functions.
+Random inputs are the same on every rank (one seed per group and phase) and
+hold values of the group's dtype (drawn in float64, rounded to the dtype):
+the reference is float64 over exactly what the ranks hold, so what it
+measures is the attention's own rounding, not the inputs'. vLLM and torch
+are imported inside the functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
@@ -33,9 +35,10 @@ from vllm_dcp_geometry.tooling.cli.ranks.measuring import Meters
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     LAYER,
     build_layer,
+    model_dir,
     vllm_config,
 )
-from vllm_dcp_geometry.tooling.mla_rank_run import max_error, mla_reference
+from vllm_dcp_geometry.tooling.mla_rank_run import magnitude, max_error, mla_reference
 
 Requests = list[tuple[int, int]]
 """``(context, new)`` tokens per request."""
@@ -46,12 +49,10 @@ class RankRun:
     """What every group this worker runs shares, fixed once its distributed
     state exists."""
 
-    shape: Shape
     world: int
     rank: int
     device: str
     seed: int
-    model_dir: Path
     patched: bool
     partial_collectives: str | None
     """Where partial groups run their collectives; None when unpatched."""
@@ -61,7 +62,8 @@ class RankRun:
 @dataclass(frozen=True)
 class PlannedGroup:
     """One MLA group of the plan, as the launcher wrote it
-    (``run.plan_groups``; only the fields a worker reads)."""
+    (``cases.plan_groups``; only the fields a worker reads), with the shapes
+    it runs at."""
 
     index: int
     name: str
@@ -71,10 +73,12 @@ class PlannedGroup:
     dcp_sharded: bool
     draft: bool
     dcp_kv_shard_count: int | None
+    shape: Shape
 
     @classmethod
     def from_plan(cls, entry: dict[str, Any]) -> PlannedGroup:
-        return cls(**{f.name: entry[f.name] for f in fields(cls)})
+        values = {f.name: entry[f.name] for f in fields(cls)}
+        return cls(**{**values, "shape": Shape(**entry["shape"])})
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,11 @@ def make_inputs(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
 
     def rand(*size: int) -> Any:
-        return torch.randn(*size, generator=gen, dtype=torch.float64)
+        drawn = torch.randn(*size, generator=gen, dtype=torch.float64)
+        return drawn.to(dtype).double()
 
     kv_c = [rand(c + n, shape.kv_lora_rank) for c, n in requests]
     k_pe = [rand(c + n, shape.rope_dim) for c, n in requests]
@@ -124,8 +130,8 @@ def make_inputs(
 
 
 def group_spec(group: PlannedGroup, shape: Shape, patched: bool) -> Any:
-    """The group's ``MLAAttentionSpec`` at the run's (scaled-down) head size
-    and dtype, with the topology's block size, sharding and (patched) K."""
+    """The group's ``MLAAttentionSpec`` at its run's head size and dtype,
+    with the topology's block size, sharding and (patched) K."""
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -237,7 +243,7 @@ def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
     import torch
     from vllm.v1.worker.utils import AttentionGroup
 
-    shape, world, rank, device = run.shape, run.world, run.rank, run.device
+    shape, world, rank, device = group.shape, run.world, run.rank, run.device
     k, block = group.shard_count, group.block_size
     shard = GroupGeometry(group.name, k, world, rank).shard
     heads = world * shape.heads_per_rank
@@ -248,14 +254,15 @@ def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
         generator=gen,
         dtype=torch.float64,
     )
-    weight *= shape.kv_lora_rank**-0.5
+    weight = (weight * shape.kv_lora_rank**-0.5).to(getattr(torch, shape.dtype))
+    weight = weight.double()
     width = cdiv(shape.max_model_len, block * k)
     cases = {
-        "decode": decode_requests(block, k, world, shape),
-        "prefill": prefill_requests(block, k, world, shape),
+        "decode": decode_requests(block, k),
+        "prefill": prefill_requests(block, k),
     }
     config = vllm_config(
-        run.model_dir,
+        model_dir(world, shape),
         world,
         group.interleave,
         block,
@@ -287,7 +294,7 @@ def run_forward(
     ``cache``: its output [tokens, h * V] and the LSEs it handed on."""
     import torch
 
-    shape, device, rank = run.shape, run.device, run.rank
+    shape, device, rank = set_up.group.shape, run.device, run.rank
     dtype = getattr(torch, shape.dtype)
     new = group_slots(inputs, set_up.layout, lambda c, n: range(c, c + n))
     slots = torch.as_tensor([s for row in new for s in row], dtype=torch.int64)
@@ -322,7 +329,7 @@ def _decode_lse_error(
 ) -> float | None:
     # The combine's LSE covers the query heads of every rank its
     # collectives span (the replica's, or all D); a local one its own.
-    h = run.shape.heads_per_rank
+    h = set_up.group.shape.heads_per_rank
     w = set_up.layer.impl.dcp_world_size
     got = seen.get("combined_lse" if w > 1 else "local_lse")
     first = run.rank // w * w
@@ -332,9 +339,9 @@ def _decode_lse_error(
 
 
 def _context_lse_error(
-    seen: dict[str, Any], expected: Any, run: RankRun
+    set_up: GroupSetUp, seen: dict[str, Any], expected: Any, run: RankRun
 ) -> float | None:
-    h = run.shape.heads_per_rank
+    h = set_up.group.shape.heads_per_rank
     got = seen.get("context_lse")
     if got is None:
         return None
@@ -346,7 +353,8 @@ def run_phase(
 ) -> dict[str, Any]:
     """One forward of the group (``decode`` or ``prefill``) on fresh inputs:
     its errors against the reference and its traffic, keyed by phase."""
-    shape, group = run.shape, set_up.group
+    group = set_up.group
+    shape = group.shape
     inputs = make_inputs(
         requests,
         run.world * shape.heads_per_rank,
@@ -377,9 +385,13 @@ def run_phase(
         report["decode_tokens"] = inputs.q.shape[0]
         report["impl_dcp_world_size"] = int(set_up.layer.impl.dcp_world_size)
     else:
-        lse_error = _context_lse_error(seen, expected["context_lse"], run)
+        lse_error = _context_lse_error(set_up, seen, expected["context_lse"], run)
     report[f"{phase}_max_abs_error"] = max_error(output, want)
     report[f"{phase}_max_lse_error"] = lse_error
+    report[f"{phase}_output_magnitude"] = magnitude(want)
+    report[f"{phase}_lse_magnitude"] = magnitude(
+        expected["lse" if phase == "decode" else "context_lse"]
+    )
     report[f"{phase}_bytes"] = traffic.total
     report[f"{phase}_bytes_by_op"] = dict(traffic.by_op)
     report[f"{phase}_collective_calls"] = traffic.calls

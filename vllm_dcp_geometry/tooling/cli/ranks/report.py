@@ -17,19 +17,35 @@ def _bytes(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
 
+def _shape(shape: dict[str, Any] | None) -> str:
+    """``h x L+R dtype`` (heads per rank, latent and rope dims)."""
+    if shape is None or shape.get("heads_per_rank") is None:
+        return "-"
+    if shape.get("kv_lora_rank") is None:
+        return f"{shape['heads_per_rank']}x? {shape['dtype']}"
+    return (
+        f"{shape['heads_per_rank']}x{shape['kv_lora_rank']}+{shape['rope_dim']} "
+        f"{shape['dtype']}"
+    )
+
+
+def _result(g: dict[str, Any]) -> str:
+    if g["status"] != "run":
+        return str(g["reason"])
+    status = "ok" if g["numerics_ok"] else "WRONG"
+    if not g["traffic_matches_formula"]:
+        status += ", bytes differ from the formula: FAILED"
+    return status
+
+
 def format_table(report: dict[str, Any]) -> str:
     rows = []
     for g in report["groups"]:
-        if g["status"] == "run":
-            status = "ok" if g["ok"] else "WRONG"
-            if not g["traffic_matches_formula"]:
-                status += ", traffic differs from formula"
-        else:
-            status = g["reason"]
         rows.append(
             [
                 g["name"],
                 "-" if g["shard_count"] is None else str(g["shard_count"]),
+                _shape(g["shape"] or g["topology_shape"]),
                 g["attention_mode"],
                 "-"
                 if g.get("collective_world_size") is None
@@ -37,13 +53,14 @@ def format_table(report: dict[str, Any]) -> str:
                 _error(g["max_abs_error"]),
                 _error(g["max_lse_error"]),
                 _bytes(g["collective_bytes_per_rank_per_step"]),
-                status,
+                _result(g),
             ]
         )
     return render_table(
         [
             "group",
             "K",
+            "shape (h x L+R)",
             "mode",
             "W",
             "max abs err",
@@ -52,34 +69,60 @@ def format_table(report: dict[str, Any]) -> str:
             "result",
         ],
         rows,
-        right={1, 3, 4, 5, 6},
+        right={1, 4, 5, 6, 7},
     )
+
+
+def _shapes_line(report: dict[str, Any]) -> str:
+    ran = [g["shape"] for g in report["groups"] if g["shape"] is not None]
+    longest = max(shape["max_model_len"] for shape in ran)
+    if not report["scaled"]:
+        return (
+            "  shapes: each group's own (query heads per TP rank h, kv_lora_rank "
+            "L, rope dim R, dtype, block size, K; the topology's interleave), "
+            f"contexts up to {longest:,} tokens; nope and value head dims "
+            f"{ran[0]['nope_dim']} (not in a topology: they size only the "
+            "up-projection, no cache or collective)"
+        )
+    return (
+        f"  shapes SCALED by --scale {report['scale']}: each group's query heads "
+        "per rank h divided by it (rounded up; the table shows what ran); L, R, "
+        f"dtype, block size, K and interleave the topology's; contexts up to "
+        f"{longest:,} tokens"
+    )
+
+
+def _traffic_lines(report: dict[str, Any]) -> list[str]:
+    return [
+        f"  {g['name']}: bytes per rank {g['collective_bytes_by_rank']} (W="
+        f"{g['attention_world_size']}) differ from the formula's "
+        f"{g['formula_bytes_per_rank_per_step']:,} (W={g['collective_world_size']})"
+        for g in report["groups"]
+        if g["status"] == "run" and not g["traffic_matches_formula"]
+    ]
 
 
 def format_report(report: dict[str, Any]) -> str:
     procs = report["processes"]
-    shape = report["shape"]
     version = report.get("vllm_version") or ""
     ran = (
         f"{report['ranks']} worker processes ({procs['backend']}, "
         f"{procs['device']}, TP = DCP = {report['ranks']}), "
         f"{report['groups_run']} group(s) run in {report['elapsed_s']:.1f} s"
     )
-    if not report["groups_run"]:
-        ran = f"D = {report['ranks']}, no group runs here: no worker started"
+    budget = report["tolerance"]["dtype_roundings"]
     lines = [
         f"ranks {report['topology']} on {report['mode']} vLLM {version}: {ran}",
         "  each worker loads the plugin through vLLM's plugin loader "
         "(vllm.general_plugins)"
         + ("" if report["mode"] == "patched" else "; unpatched: VLLM_PLUGINS=''"),
-        f"  sizes scaled down: {shape['heads_per_rank']} heads per rank, latent "
-        f"{shape['kv_lora_rank']} + rope {shape['rope_dim']}, {shape['dtype']}, "
-        f"contexts up to {shape['max_model_len']:,} tokens; K, block sizes and "
-        "interleave as the topology's",
+        _shapes_line(report),
         "  per group: one decode step and one chunked prefill over a context, "
-        "every rank against a float64 single-device reference; W: ranks its "
-        "collectives span; bytes: sent + received per rank through the DCP and "
-        "replica groups in the decode step",
+        "every rank against a float64 single-device reference over the same "
+        f"dtype values (within {budget} roundoffs of the dtype, plus float32 "
+        "accumulation, x max(1, |reference|)); W: ranks its collectives "
+        "span; bytes: sent + received per rank through the DCP and replica "
+        "groups in the decode step, which must equal the formula's",
     ]
     if report.get("partial_collectives"):
         where = (
@@ -99,6 +142,7 @@ def format_report(report: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.append(format_table(report))
+    lines.extend(_traffic_lines(report))
     lines.append("")
     lines.append("OK" if report["ok"] else "FAILED")
     return "\n".join(lines)
@@ -113,6 +157,7 @@ def format_baseline(baseline: dict[str, Any]) -> str:
     wrong = [
         g["name"] for g in baseline["groups"] if g["status"] == "run" and not g["ok"]
     ]
+    lines[3:3] = _traffic_lines(baseline)
     if wrong:
         lines.append("unpatched vLLM is wrong on: " + ", ".join(wrong))
     else:

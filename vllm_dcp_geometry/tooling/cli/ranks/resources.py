@@ -3,10 +3,12 @@
 """What ``ranks``' workers need of this machine, and how a worker died.
 
 ``check_memory`` refuses, before any worker starts, a run whose D workers
-would not fit in the memory this machine has available (D x
-``WORKER_PEAK_RSS_BYTES`` against ``available_memory_bytes``): a run that
-does not fit would otherwise be stopped by the kernel's out-of-memory killer
-half-way through spawning. ``how_it_died`` words a worker's exit status.
+would not fit in the memory this machine has available: D x (vLLM and
+torch's ``WORKER_PEAK_RSS_BYTES`` plus the largest group's tensors at its
+shapes, ``group_bytes``) against ``available_memory_bytes``. A run that does
+not fit would otherwise be stopped by the kernel's out-of-memory killer
+half-way through spawning; the refusal names the ``--scale`` that fits, if
+one does. ``how_it_died`` words a worker's exit status.
 """
 
 from __future__ import annotations
@@ -14,16 +16,35 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
+from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.tooling.cli.common.status import CliError
+from vllm_dcp_geometry.tooling.cli.ranks.cases import (
+    Shape,
+    decode_requests,
+    group_shape,
+    prefill_requests,
+)
+from vllm_dcp_geometry.tooling.topology import Topology
 
 WORKER_PEAK_RSS_BYTES = 1_197_676 * 1024
 """Peak resident memory of one CPU worker (it imports vLLM and torch and runs
 the Triton interpreter), about 1.23 GB: measured on this project's 2-core
 Linux machine as the largest ``ru_maxrss`` (1,197,676 KiB) of the workers of
 ``ranks -p mla-mixed-tp4-dcp4 --dcp 2``, read with
-``resource.getrusage(RUSAGE_CHILDREN)`` in the launching process. A worker's
-sizes are scaled down and do not grow with D."""
+``resource.getrusage(RUSAGE_CHILDREN)`` in the launching process. Those
+workers ran 2 query heads per rank at latent 256 + rope 64 in fp32 over
+contexts of a few hundred tokens, tensors of a few MB: this is vLLM's and
+torch's own. What a group's shapes add is ``group_bytes``."""
+
+TRANSIENT_COPIES = 2
+"""``group_bytes`` counts each tensor a worker allocates for a group once;
+the dtype and device copies and the reference's intermediates (one of each
+size at a time) at most double that."""
+
+MAX_SUGGESTED_SCALE = 64
+"""The largest ``--scale`` a refusal looks for to fit (powers of two)."""
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -50,12 +71,75 @@ def _gb(size: int) -> str:
     return f"{size / 1e9:.1f} GB"
 
 
-def check_memory(dcp: int) -> None:
-    """Refuse (``CliError``, exit 2) D workers that need more memory than this
-    machine has available; where that is unknown, say so and go on."""
-    need = dcp * WORKER_PEAK_RSS_BYTES
-    each = f"{WORKER_PEAK_RSS_BYTES / 1e9:.2f} GB"
-    what = f"D={dcp} needs about {_gb(need)} ({dcp} workers x {each}"
+def group_bytes(shape: Shape, world: int, block_size: int, shard_count: int) -> int:
+    """The bytes one worker allocates for one group at ``shape``, its
+    tensors counted once and then times ``TRANSIENT_COPIES``: the float64
+    ``kv_b_proj`` weight of all ``world * h`` heads and the rank's slice of
+    it in the dtype (twice: ``W_UK`` and ``W_UV``), the paged cache, vLLM's
+    chunked-prefill workspace (up to twice its rows under DCP), the float64
+    inputs of the larger phase and the reference's up-projected K and V of
+    the longest request."""
+    e, h = shape.dtype_bytes, shape.heads_per_rank
+    heads = world * h
+    row = shape.kv_lora_rank + shape.rope_dim
+    up = shape.nope_dim + shape.v_head_dim
+    weight = (heads * 8 + 2 * h * e) * up * shape.kv_lora_rank
+    phases = (
+        decode_requests(block_size, shard_count),
+        prefill_requests(block_size, shard_count),
+    )
+    width = cdiv(shape.max_model_len, block_size * shard_count)
+    cache = (width * max(len(p) for p in phases) + 1) * block_size * row * e
+    workspace_rows = min(
+        max(8 * shape.max_model_len, 4 * shape.max_num_seqs * block_size), 64 * 1024
+    )
+    workspace = 2 * workspace_rows * row * e
+    query = heads * (shape.nope_dim + shape.rope_dim)
+    inputs = 8 * max(sum((c + n) * row + n * query for c, n in p) for p in phases)
+    longest = max(c + n for p in phases for c, n in p)
+    reference = longest * heads * (up + shape.nope_dim + shape.rope_dim) * 8
+    return TRANSIENT_COPIES * (weight + cache + workspace + inputs + reference)
+
+
+def _largest_group(
+    topology: Topology, runnable: list[dict[str, Any]], scale: int
+) -> tuple[int, str]:
+    """The bytes of the largest group to run at ``scale``, and its words."""
+    dcp = topology.decode_context_parallel_size
+    sized = []
+    for g in runnable:
+        shape = group_shape(topology, topology.groups[g["index"]], scale)
+        assert not isinstance(shape, str), shape
+        size = group_bytes(shape, dcp, g["block_size"], g["shard_count"])
+        sized.append((size, g["name"], shape))
+    size, name, shape = max(sized, key=lambda item: item[0])
+    return size, (
+        f"group {name!r} at {shape.heads_per_rank} heads x {shape.kv_lora_rank}"
+        f"+{shape.rope_dim} {shape.dtype}"
+    )
+
+
+def _worker_bytes(
+    topology: Topology, runnable: list[dict[str, Any]], scale: int
+) -> int:
+    return WORKER_PEAK_RSS_BYTES + _largest_group(topology, runnable, scale)[0]
+
+
+def check_memory(
+    topology: Topology, runnable: list[dict[str, Any]], scale: int = 1
+) -> None:
+    """Refuse (``CliError``, exit 2) D workers that need more memory than
+    this machine has available at the shapes of the groups to run
+    (``runnable``, planned at ``scale``), naming the ``--scale`` that fits
+    if one does; where the memory is unknown, say so and go on."""
+    dcp = topology.decode_context_parallel_size
+    group, words = _largest_group(topology, runnable, scale)
+    each = WORKER_PEAK_RSS_BYTES + group
+    what = (
+        f"D={dcp} needs about {_gb(dcp * each)} ({dcp} workers x "
+        f"{each / 1e9:.2f} GB: {WORKER_PEAK_RSS_BYTES / 1e9:.2f} GB for vLLM "
+        f"and torch + {group / 1e9:.2f} GB for {words}"
+    )
     available = available_memory_bytes()
     if available is None:
         print(
@@ -64,11 +148,23 @@ def check_memory(dcp: int) -> None:
             file=sys.stderr,
         )
         return
-    if need > available:
-        raise CliError(
-            f"ranks: {what}), this machine has {_gb(available)} available; "
-            "use a smaller --dcp"
-        )
+    if dcp * each <= available:
+        return
+    larger = (2**i for i in range(1, MAX_SUGGESTED_SCALE.bit_length()))
+    fits = next(
+        (
+            n
+            for n in larger
+            if n > scale and dcp * _worker_bytes(topology, runnable, n) <= available
+        ),
+        None,
+    )
+    hint = "use a smaller --dcp"
+    if fits is not None:
+        hint = f"run smaller shapes with --scale {fits}, or {hint}"
+    raise CliError(
+        f"ranks: {what}), this machine has {_gb(available)} available; {hint}"
+    )
 
 
 def how_it_died(returncode: int) -> str:

@@ -11,6 +11,7 @@ vLLM and torch are imported inside the functions.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,11 @@ LAYER = "model.layers.0.self_attn.attn"
 ``i``'s copy ``LAYER.i``)."""
 
 
+@functools.cache
 def model_dir(world: int, shape: Shape) -> Path:
-    """A DeepSeek-V3-shaped Hugging Face config (no weights) with ``world``
-    times ``heads_per_rank`` attention heads."""
+    """A DeepSeek-V3-shaped Hugging Face config (no weights) at ``shape``
+    (its dtype, latent and rope dims) with ``world`` times
+    ``heads_per_rank`` attention heads; one per shape in a process."""
     return write_deepseek_config(
         world * shape.heads_per_rank,
         kv_lora_rank=shape.kv_lora_rank,
@@ -54,8 +57,8 @@ def vllm_config(
     device: str,
     partial_collectives: str | None = None,
 ) -> Any:
-    """A real ``VllmConfig``: TP = DCP = ``world``, the group's block size,
-    and (patched) where partial groups run their collectives."""
+    """A real ``VllmConfig``: TP = DCP = ``world``, the group's block size
+    and shape, and (patched) where partial groups run their collectives."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,

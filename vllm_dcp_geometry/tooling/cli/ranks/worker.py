@@ -11,8 +11,8 @@ state (``init_distributed_environment``, ``initialize_model_parallel`` with
 TP = DCP = D), installs its meters (``measuring``), makes the replica groups
 with the very function every ``vllm serve`` worker calls
 (``replica_groups.make_replica_groups``, on the config such a worker holds:
-``vllm_setup.serving_config``), then runs every MLA group of the plan
-(``group.run_group``) with vLLM's real collectives over the real DCP
+``vllm_setup.serving_config``), then runs every MLA group of the plan at
+its own shapes (``group.run_group``) with vLLM's real collectives over the real DCP
 ``GroupCoordinator``. The result file holds each group's errors and bytes.
 """
 
@@ -67,7 +67,8 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
 
     patched = vllm_objects.is_vllm_patched()
     world, rank = plan["world"], plan["rank"]
-    shape = Shape(**plan["shape"])
+    # The run's config sizes TP and DCP only: any group's shape serves.
+    shape = Shape(**plan["groups"][0]["shape"])
     device = plan["device"]
     stand_ins = cpu_stand_ins.install_cpu_stand_ins() if device == "cpu" else []
     if device != "cpu":
@@ -83,12 +84,10 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
         else ()
     )
     run = RankRun(
-        shape=shape,
         world=world,
         rank=rank,
         device=device,
         seed=plan["seed"],
-        model_dir=path,
         patched=patched,
         partial_collectives=plan["partial_collectives"] if patched else None,
         meters=meters,

@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""Planning the operator's own model: ``--model DIR`` and serve flags parsed
+by vLLM's own parser, groups built from vLLM's model code on the meta device
+(a fresh planning process), each group naming its source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_dcp_geometry.tooling.cli import main
+from vllm_dcp_geometry.tooling.topology import TopologyError, topology_from_mapping
+
+MODELS = Path(__file__).parent.parent / "vllm_dcp_geometry/tooling/model_configs"
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]):
+    """``main(args)``: its exit status, standard output and error."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+@pytest.fixture
+def run_cli_json(run_cli):
+    def run(*args: str) -> tuple[int, dict]:
+        code, out, err = run_cli(*args)
+        return code, (json.loads(out) if out.strip() else {"stderr": err})
+
+    return run
+
+
+@pytest.mark.slow
+def test_llama_plan_from_the_serve_line_matches_vllms_parse(run_cli_json) -> None:
+    """``plan -- vllm serve DIR ...``: the flags vLLM's parser takes (a
+    frontend flag included), the groups vLLM's layers give."""
+    code, plan = run_cli_json(
+        "plan", "--json", "--", "vllm", "serve", str(MODELS / "llama"),
+        "--tensor-parallel-size", "16", "--decode-context-parallel-size", "2",
+        "--port", "8123",
+    )  # fmt: skip
+    assert code == 0
+    (group,) = plan["groups"]
+    assert group["source"] == "model"
+    assert group["kind"] == "full_attention"
+    assert group["num_layers"] == 4
+    assert group["layer_class"].endswith("attention.attention.Attention")
+    assert group["attention_backend"] == "FLASH_ATTN"
+    # Llama-3.1-70B: 8 KV heads x 128 over TP16 -> one KV head per rank.
+    assert group["shard_count"] == 2
+    assert plan["inputs"]["tensor_parallel_size"] == 16
+
+
+def test_vllm_validation_is_one_line_exit_2(run_cli) -> None:
+    """vLLM's own refusal of the layout (GQA: TP must exceed the KV heads
+    for DCP) comes back as one line, exit 2."""
+    code, out, err = run_cli(
+        "plan", "--model", str(MODELS / "llama"),
+        "--tensor-parallel-size", "8", "--decode-context-parallel-size", "8",
+    )  # fmt: skip
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "vLLM refuses the serve flags" in err
+
+
+def test_unknown_flags_without_a_model_are_refused(run_cli) -> None:
+    code, _, err = run_cli("plan", "--tensor-parallel-size", "8")
+    assert code == 2
+    assert "unrecognized arguments" in err
+
+
+def test_a_spec_the_schema_cannot_rebuild_fails_closed() -> None:
+    """The check that the topology rebuilds vLLM's own spec fails on a
+    deliberately different spec (K silently changed)."""
+    import vllm_dcp_geometry
+    from vllm_dcp_geometry.tooling import vllm_objects
+    from vllm_dcp_geometry.tooling.serve.deployment import _check_rebuilt
+    from vllm_dcp_geometry.tooling.serve.model_build import CollectedLayer
+
+    vllm_dcp_geometry.register()
+    mapping = {
+        "name": "t",
+        "parallel": {"tensor_parallel_size": 4, "decode_context_parallel_size": 4},
+        "groups": [
+            {
+                "name": "g0", "kind": "full_attention", "layers": ["a"],
+                "block_size": 16, "num_kv_heads": 1, "head_size": 128,
+                "dtype": "bfloat16", "source": "model",
+            }
+        ],
+    }  # fmt: skip
+    topology = topology_from_mapping(mapping)
+    spec = vllm_objects.build_spec(topology.groups[0], topology, patched=True)
+    same = CollectedLayer("a", spec, "x.Attention", "FLASH_ATTN", False)
+    _check_rebuilt(topology, {"g0": [same]})
+    from dataclasses import replace
+
+    other = replace(same, spec=replace(spec, dcp_kv_shard_count=2))
+    with pytest.raises(TopologyError, match=r"layer 'a'.*cannot describe"):
+        _check_rebuilt(topology, {"g0": [other]})
+
+
+@pytest.mark.slow
+def test_emitted_topology_from_a_model_round_trips(
+    tmp_path: Path, run_cli_json
+) -> None:
+    """DeepSeek-V3.2 with its MTP draft, built from vLLM's CUDA model code:
+    latent and indexer caches of one uniform-type group become two groups of
+    the real layer classes; the emitted file plans the same."""
+    out = tmp_path / "dsv32.json"
+    code, plan = run_cli_json(
+        "plan", "--json", "--model", str(MODELS / "deepseek-v32"),
+        "--tensor-parallel-size", "8", "--decode-context-parallel-size", "8",
+        "--kv-cache-dtype", "fp8_ds_mla",
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+        "--emit-topology", str(out),
+    )  # fmt: skip
+    assert code == 0, plan
+    classes = {g["layer_class"].rsplit(".", 1)[-1] for g in plan["groups"]}
+    assert classes == {"DeepseekV32Attention", "DeepseekV32IndexerCache"}
+    assert {g["source"] for g in plan["groups"]} == {"model"}
+    assert {g["block_size"] for g in plan["groups"]} == {64}
+    drafts = [layer for g in plan["groups"] if g["draft"] for layer in g["layers"]]
+    assert drafts and all(".layers.4." in layer for layer in drafts)
+    emitted = json.loads(out.read_text())
+    code, again = run_cli_json("plan", "--json", "--topology", str(out))
+    assert code == 0
+    assert [g["shard_count"] for g in again["groups"]] == [
+        g["shard_count"] for g in plan["groups"]
+    ]
+    assert emitted["groups"][0]["source"] == "model"
+
+
+@pytest.mark.slow
+def test_kimi_k3_with_its_dspark_draft_on_their_own_backends(run_cli_json) -> None:
+    """Kimi-K3 and its DSpark draft from vLLM's CUDA model code: the target
+    on ``--attention-backend FLASHMLA``, the draft on the backend vLLM's
+    DSpark loader picks itself (FLASHINFER_MLA, the SM90 backend with
+    non-causal multi-token DCP), KDA state in recurrent groups."""
+    draft = json.dumps(
+        {
+            "method": "dspark",
+            "model": str(MODELS / "kimi-k3-dspark"),
+            "num_speculative_tokens": 7,
+        }
+    )
+    code, plan = run_cli_json(
+        "plan", "--json", "--model", str(MODELS / "kimi-k3"),
+        "--tensor-parallel-size", "16", "--decode-context-parallel-size", "16",
+        "--attention-backend", "FLASHMLA", "--speculative-config", draft,
+    )  # fmt: skip
+    assert code == 0, plan
+    groups = plan["groups"]
+    mla = [g for g in groups if g["kind"] == "mla"]
+    assert {g["attention_backend"] for g in mla if not g["draft"]} == {"FLASHMLA"}
+    assert {g["attention_backend"] for g in mla if g["draft"]} == {"FLASHINFER_MLA"}
+    assert {g["layer_class"].rsplit(".", 1)[-1] for g in mla} == {
+        "MultiHeadLatentAttention"
+    }
+    # 96 query heads over TP16, latent 512 of a 576-wide row (the real K3).
+    assert {g["query_heads"] for g in mla if not g["draft"]} == {96}
+    assert {g["kv_lora_rank"] for g in mla} == {512}
+    recurrent = [g for g in groups if g["kind"] == "mamba"]
+    assert recurrent and all(g["shard_count"] == 1 for g in recurrent)
+    assert {g["source"] for g in groups} == {"model"}
+
+
+@pytest.mark.slow
+def test_gpt_oss_under_dcp_is_refused_by_vllms_own_model_code(run_cli) -> None:
+    """vLLM 0.33.0 needs TP above gpt-oss's 8 KV heads for DCP, and its
+    gpt-oss layer floor-divides the KV heads by TP: start-up would fail
+    building the model, and plan says so (exit 2, one line)."""
+    code, _, err = run_cli(
+        "plan", "--model", str(MODELS / "gpt-oss"),
+        "--tensor-parallel-size", "16", "--decode-context-parallel-size", "2",
+    )  # fmt: skip
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "GptOssForCausalLM" in err and "refuses this configuration" in err

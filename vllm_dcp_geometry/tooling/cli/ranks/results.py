@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``ranks``' report, merged from its workers' results (``merge``).
+
+Per group: the worst error over every rank against the float64 reference,
+held to a tolerance from the group's dtype's epsilon (``tolerance``), and the bytes
+each rank moved through the DCP and replica groups in one decode step (the
+same on every rank), against what ``collectives.mla_decode_step_bytes`` says
+the group's collective world W moves at its shapes. A group is ``ok`` only
+where both hold: numerics within tolerance and every rank's bytes equal to
+the formula's over the W the plan names; the run is ``ok`` only where every
+group run is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dcp_geometry.contract.collectives import (
+    attention_work_ratio,
+    mla_decode_step_bytes,
+)
+from vllm_dcp_geometry.tooling.cli.ranks.cases import (
+    Shape,
+    decode_requests,
+    prefill_requests,
+)
+
+EPSILON = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+"""Machine epsilon of each dtype a group runs in (the gap from 1 to the next
+value); one rounding to the dtype is within half of it of the value's size
+(the unit roundoff u = eps / 2)."""
+
+DTYPE_ROUNDINGS = 16
+"""Units of the dtype's roundoff u (times the reference's size) the output
+and LSE may be off by. The decode path rounds to the dtype after the inputs
+(which the reference shares) about 8 times: the absorbed latent query, the
+softmax weights before P.V, each rank's partial latent output and its LSE
+(TRITON_MLA keeps both in the query's dtype), the combine's corrected
+output, the up-projected output; the reduce-scatter adds W - 1 more (up to
+15), and a rounded LSE moves the combine's weights by up to u * |LSE|
+(|LSE| <= 8 over these contexts). Independent roundings add up as the
+square root of their count: sqrt(8 + 15) u + 8 u < 13 u, within 16 u.
+The prefill path (up-projected context K/V, two attention outputs, their
+merge) rounds fewer times."""
+
+
+def tolerance(dtype: str, magnitude: float, dot_lengths: tuple[int, ...]) -> float:
+    """The largest error allowed for a value of the reference's
+    ``magnitude`` (at least 1: errors near zero are of the inputs' size)
+    computed in ``dtype``: ``DTYPE_ROUNDINGS`` roundoffs of the dtype, plus
+    the float32 accumulation of the sums the kernels form (the
+    ``dot_lengths``: the score over L + R, the weighted sum over the longest
+    context), whose rounding grows as sqrt(n) float32 roundoffs."""
+    roundoff = EPSILON[dtype] / 2
+    accumulated = sum(n**0.5 for n in dot_lengths) * EPSILON["float32"] / 2
+    return (DTYPE_ROUNDINGS * roundoff + accumulated) * max(1.0, magnitude)
+
+
+def attention_mode(shard_count: int, dcp: int) -> str:
+    """The contract's attention mode of a group with K shards (``plan``'s
+    names): ``local`` (K = 1), ``dcp-partial`` (1 < K < D), ``dcp`` (K = D)."""
+    if shard_count == 1:
+        return "local"
+    return "dcp" if shard_count == dcp else "dcp-partial"
+
+
+def _worst(values: list[float | None]) -> float | None:
+    seen = [v for v in values if v is not None]
+    return max(seen) if seen else None
+
+
+def _shape_row(g: dict[str, Any]) -> dict[str, Any]:
+    """What the group ran at (None where it did not run) and what the
+    topology gives, with its block size and the interleave."""
+    return {
+        "shape": g["shape"],
+        "topology_shape": g["topology_shape"],
+        "interleave": g["interleave"],
+    }
+
+
+def _group_row(g: dict[str, Any], dcp: int) -> dict[str, Any]:
+    """A group's row before any rank's result: what the plan says of it."""
+    return {
+        "name": g["name"],
+        "kind": g["kind"],
+        "layer_class": g["layer_class"] or "MLAAttention",
+        "shard_count": g["shard_count"],
+        "block_size": g["block_size"],
+        **_shape_row(g),
+        "attention_mode": "none"
+        if g["shard_count"] is None
+        else attention_mode(g["shard_count"], dcp),
+        "collective_world_size": g["collective_world_size"],
+        "status": "run" if g["run"] else "not run",
+        "reason": g["reason"],
+        "max_abs_error": None,
+        "max_lse_error": None,
+        "collective_bytes_per_rank_per_step": None,
+    }
+
+
+def _errors(ranks: list[dict[str, Any]], g: dict[str, Any]) -> dict[str, Any]:
+    """The worst errors over the ranks of a group, by phase, then overall,
+    and whether each is within the dtype's tolerance of its magnitude."""
+    shape = Shape(**g["shape"])
+    longest = max(
+        c + n
+        for requests in (
+            decode_requests(g["block_size"], g["shard_count"]),
+            prefill_requests(g["block_size"], g["shard_count"]),
+        )
+        for c, n in requests
+    )
+    dots = (shape.kv_lora_rank + shape.rope_dim, longest)
+    worst: dict[str, Any] = {}
+    within = True
+    for phase, lse in (("decode", "decode"), ("prefill", "context")):
+        for kind, key, into in (
+            ("output", "max_abs_error", f"{phase}_max_abs_error"),
+            ("lse", "max_lse_error", f"{lse}_max_lse_error"),
+        ):
+            error = _worst([r[f"{phase}_{key}"] for r in ranks])
+            size = max(r[f"{phase}_{kind}_magnitude"] for r in ranks)
+            allowed = tolerance(shape.dtype, size, dots)
+            worst[into] = error
+            worst[f"{phase}_{kind}_magnitude"] = size
+            worst[f"{into}_tolerance"] = allowed
+            missing = kind == "output" and error is None
+            if missing or (error is not None and not error <= allowed):
+                within = False
+    return {
+        **worst,
+        "max_abs_error": _worst(
+            [worst["decode_max_abs_error"], worst["prefill_max_abs_error"]]
+        ),
+        "max_lse_error": _worst(
+            [worst["decode_max_lse_error"], worst["context_max_lse_error"]]
+        ),
+        "numerics_ok": within,
+    }
+
+
+def _measured(
+    g: dict[str, Any], ranks: list[dict[str, Any]], *, dcp: int, patched: bool
+) -> dict[str, Any]:
+    """What the ranks of a run group measured, against the plan and the
+    traffic formula at the group's shapes; the fields it adds to (or sets
+    in) the group's row."""
+    shape = Shape(**g["shape"])
+    attended = max(r["impl_dcp_world_size"] for r in ranks)
+    # What the plan says the group's collectives span; unpatched vLLM runs
+    # every MLA group on the D-wide group.
+    planned = g["collective_world_size"] if patched else dcp
+    decode = [r["decode_bytes"] for r in ranks]
+    tokens = ranks[0]["decode_tokens"]
+    expected = mla_decode_step_bytes(
+        planned,
+        tokens=tokens,
+        heads_per_rank=shape.heads_per_rank,
+        kv_lora_rank=shape.kv_lora_rank,
+        rope_dim=shape.rope_dim,
+        dtype_bytes=shape.dtype_bytes,
+        lse_bytes=shape.lse_bytes,
+    )
+    errors = _errors(ranks, g)
+    matches = all(b == expected for b in decode) and attended == planned
+    return {
+        "attention_mode": attention_mode(g["shard_count"], dcp)
+        if patched
+        else ("local" if attended == 1 else "dcp"),
+        **errors,
+        "collective_bytes_per_rank_per_step": max(decode),
+        "collective_bytes_by_rank": decode,
+        "collective_bytes_by_op": ranks[0]["decode_bytes_by_op"],
+        "decode_tokens_per_step": tokens,
+        "formula_bytes_per_rank_per_step": expected,
+        "traffic_matches_formula": matches,
+        "prefill_collective_bytes_per_rank": max(r["prefill_bytes"] for r in ranks),
+        "attention_world_size": attended,
+        "collective_world_size": planned,
+        "collective_worlds_seen": sorted(
+            {w for r in ranks for w in r["decode_collective_worlds"]}
+        ),
+        "attention_work_vs_sharded": attention_work_ratio(
+            attended, g["shard_count"], dcp
+        ),
+        "ok": errors["numerics_ok"] and matches,
+    }
+
+
+def merge(
+    topology: Any,
+    groups: list[dict[str, Any]],
+    results: list[dict[str, Any]],
+    *,
+    patched: bool,
+    elapsed: float,
+    gpu: bool,
+    scale: int,
+    partial_collectives: str,
+) -> dict[str, Any]:
+    """One report from the ranks' results."""
+    dcp = topology.decode_context_parallel_size
+    rows = []
+    for g in groups:
+        row = _group_row(g, dcp)
+        if g["run"]:
+            ranks = [
+                next(r for r in result["groups"] if r["name"] == g["name"])
+                for result in results
+            ]
+            row.update(_measured(g, ranks, dcp=dcp, patched=patched))
+        rows.append(row)
+    ran = [r for r in rows if r["status"] == "run"]
+    first = results[0] if results else {}
+    return {
+        "command": "ranks",
+        "mode": "patched" if patched else "unpatched",
+        "topology": topology.name,
+        "source": topology.source,
+        "ranks": dcp,
+        "ok": all(r["ok"] for r in ran),
+        "groups_run": len(ran),
+        "tolerance": {
+            "dtype_roundings": DTYPE_ROUNDINGS,
+            "epsilon": EPSILON,
+            "rule": "error <= (dtype_roundings * epsilon[dtype] / 2 + "
+            "(sqrt(L + R) + sqrt(longest context)) * epsilon[float32] / 2) * "
+            "max(1, |reference|)",
+        },
+        "processes": {
+            "count": len(results),
+            "backend": "nccl" if gpu else "gloo",
+            "device": "cuda" if gpu else "cpu",
+            "tensor_parallel_size": dcp,
+            "dcp_group": first.get("dcp_group"),
+            "plugin_loaded_by_vllm": [r["patched"] for r in results],
+        },
+        "stand_ins": first.get("stand_ins", []),
+        "partial_collectives": partial_collectives if patched else None,
+        "replica_groups": first.get("replica_groups", []),
+        "scale": scale,
+        "scaled": scale != 1,
+        "shapes": "each group's own (query heads per TP rank, kv_lora_rank, "
+        "rope dim, dtype, block size, K; the topology's interleave)"
+        + (
+            ""
+            if scale == 1
+            else f", query heads per rank divided by --scale {scale} (rounded up)"
+        ),
+        "elapsed_s": round(elapsed, 3),
+        "groups": rows,
+    }
