@@ -38,7 +38,7 @@ def sm90_attention_backend(selector_config: Any) -> str:
     decode under DCP (a DSpark draft: the only builder with
     ``supports_non_causal_multi_token_dcp`` there), FLASH_ATTN_MLA for other
     MLA and FLASH_ATTN for the rest (``vllm.platforms.cuda``'s priorities)."""
-    from vllm_dcp_geometry.tooling.cli.plan.attention import (
+    from vllm_dcp_geometry.tooling.sm90_backends import (
         DEFAULT_ATTENTION_BACKENDS,
         NON_CAUSAL_DCP_MLA_BACKEND,
     )

@@ -29,16 +29,11 @@ from vllm_dcp_geometry.runtime.geometry import (
     default_shard_count,
     kv_cache_group_name,
 )
+from vllm_dcp_geometry.tooling.sm90_backends import (
+    DEFAULT_ATTENTION_BACKENDS,
+    NON_CAUSAL_DCP_MLA_BACKEND,
+)
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology, TopologyError
-
-DEFAULT_ATTENTION_BACKENDS = {
-    "mla": "FLASH_ATTN_MLA",
-    "full_attention": "FLASH_ATTN",
-    "sliding_window": "FLASH_ATTN",
-}
-"""What vLLM 0.33.0 picks first for a group's kind on a Hopper (SM90) GPU
-(``vllm.platforms.cuda``'s backend priorities). ``--attention-backend NAME``
-replaces it for the groups of NAME's kind (MLA backends for MLA groups)."""
 
 LAYER_CLASS_BACKENDS = {
     DEEPSEEK_V32_ATTENTION: "FLASHMLA_SPARSE",
@@ -51,12 +46,6 @@ with DCP there)."""
 FIXED_BACKEND_CLASSES = frozenset({DEEPSEEK_V32_INDEXER_CACHE})
 """Layer classes whose backend the layer fixes (``--attention-backend`` does
 not reach them)."""
-
-NON_CAUSAL_DCP_MLA_BACKEND = "FLASHINFER_MLA"
-"""What vLLM 0.33.0 picks on SM90 for an MLA layer with non-causal
-multi-token decode (a DSpark draft) under DCP: its selector keeps only
-builders with ``supports_non_causal_multi_token_dcp``, whatever the group's
-K (the selector runs with the model, before any spec is known)."""
 
 NON_CAUSAL_DCP_MLA_BACKENDS = frozenset(
     {"FLASHINFER_MLA", "TOKENSPEED_MLA", "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA"}
