@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from tests.support.attention import attention_modes
 from tests.support.mla import (
     SimulatedGroup,
     cpu_shims,
@@ -34,15 +35,9 @@ def _plan(capsys, *args: str, status: int = EXIT_OK) -> tuple[dict, str]:
     return json.loads(captured.out), captured.err
 
 
-def _modes(plan: dict) -> dict[str, tuple[str, str | None]]:
-    return {
-        g["name"]: (g["attention_mode"], g["attention_backend"]) for g in plan["groups"]
-    }
-
-
 def test_default_profile_runs_every_group(capsys) -> None:
     plan, err = _plan(capsys)
-    modes = _modes(plan)
+    modes = attention_modes(plan)
     assert err == ""
     # The DSpark draft: vLLM selects FLASHINFER_MLA for it under DCP.
     assert modes["draft"] == ("local", "FLASHINFER_MLA")
@@ -61,7 +56,7 @@ def test_default_profile_runs_every_group(capsys) -> None:
 
 def test_partial_profile_and_the_table(capsys) -> None:
     plan, _ = _plan(capsys, "-p", "partial-shard-tp8-dcp8")
-    assert _modes(plan) == {
+    assert attention_modes(plan) == {
         "attn.k8": ("dcp", "FLASH_ATTN"),
         "attn.k4": ("dcp-partial", "FLASH_ATTN"),
         "draft": ("local", "FLASH_ATTN"),
@@ -83,7 +78,7 @@ def test_an_mla_backend_applies_to_mla_groups_only(capsys, backend: str) -> None
     ``--speculative-config``, vLLM's selector refuses it under DCP (no
     DSpark DCP support), and plan says so."""
     plan, _ = _plan(capsys, "--attention-backend", backend)
-    modes = _modes(plan)
+    modes = attention_modes(plan)
     assert modes["draft"] == ("local", "FLASHINFER_MLA")
     assert modes["mla.0"] == ("dcp", backend)
     assert modes["kda.0"] == ("none", None)
@@ -93,14 +88,14 @@ def test_an_mla_backend_applies_to_mla_groups_only(capsys, backend: str) -> None
         json.dumps({"attention_backend": backend}),
         status=EXIT_BAD_INPUT,
     )
-    modes = _modes(plan)
+    modes = attention_modes(plan)
     assert modes["draft"] == ("refused", backend)
     assert "refuses non-causal multi-token MLA decode" in err
     assert modes["mla.0"] == ("dcp", "FLASH_ATTN_MLA")
     plan, _ = _plan(
         capsys, "-p", "partial-shard-tp8-dcp8", "--attention-backend", backend
     )
-    assert _modes(plan)["attn.k4"] == ("dcp-partial", "FLASH_ATTN")
+    assert attention_modes(plan)["attn.k4"] == ("dcp-partial", "FLASH_ATTN")
 
 
 def test_refused_group_exits_2_with_the_start_up_message(capsys) -> None:

@@ -18,6 +18,7 @@ import pytest
 import tomllib
 
 from tests.support.attention import (
+    attention_modes,
     cpu_platform,  # noqa: F401
     tiny_model_config,
 )
@@ -47,12 +48,6 @@ KIMI, MLA_MIXED = "kimi-k3-tp16-dcp16", "mla-mixed-tp4-dcp4"
 def _plan(capsys, *args: str, status: int = EXIT_OK) -> dict[str, Any]:
     assert main(["plan", "--json", *args]) == status
     return json.loads(capsys.readouterr().out)
-
-
-def _modes(plan: dict[str, Any]) -> dict[str, tuple[str, str | None]]:
-    return {
-        g["name"]: (g["attention_mode"], g["attention_backend"]) for g in plan["groups"]
-    }
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
@@ -139,7 +134,7 @@ def test_target_on_flashmla_with_the_draft_on_flashinfer_mla(capsys) -> None:
         "--speculative-config",
         '{"method": "dspark", "attention_backend": "FLASHINFER_MLA"}',
     )
-    modes = _modes(plan)
+    modes = attention_modes(plan)
     assert all(modes[f"mla.{i}"] == ("dcp", "FLASHMLA") for i in range(4))
     assert modes["draft"] == ("local", "FLASHINFER_MLA")
     assert plan["inputs"]["attention_backend"] == "FLASHMLA"
@@ -149,7 +144,7 @@ def test_target_on_flashmla_with_the_draft_on_flashinfer_mla(capsys) -> None:
 def test_an_eagle_draft_inherits_unless_named(capsys) -> None:
     """vLLM's validator reads the name (any case; ``auto`` names none)."""
     plan = _plan(capsys, "-p", MLA_MIXED, "--attention-backend", "TRITON_MLA")
-    assert _modes(plan)["draft"] == ("local", "TRITON_MLA")
+    assert attention_modes(plan)["draft"] == ("local", "TRITON_MLA")
     for spelled in ("flashinfer_mla", "FLASHINFER_MLA"):
         plan = _plan(
             capsys,
@@ -160,8 +155,8 @@ def test_an_eagle_draft_inherits_unless_named(capsys) -> None:
             "--speculative-config",
             json.dumps({"attention_backend": spelled}),
         )
-        assert _modes(plan)["draft"] == ("local", "FLASHINFER_MLA")
-        assert _modes(plan)["mla.k4"] == ("dcp", "TRITON_MLA")
+        assert attention_modes(plan)["draft"] == ("local", "FLASHINFER_MLA")
+        assert attention_modes(plan)["mla.k4"] == ("dcp", "TRITON_MLA")
     plan = _plan(
         capsys,
         "-p",
@@ -171,7 +166,7 @@ def test_an_eagle_draft_inherits_unless_named(capsys) -> None:
         "--speculative-config",
         '{"attention_backend": "auto"}',
     )
-    assert _modes(plan)["draft"] == ("local", "TRITON_MLA")
+    assert attention_modes(plan)["draft"] == ("local", "TRITON_MLA")
     assert plan["inputs"]["draft_attention_backend"] is None
 
 

@@ -157,3 +157,10 @@ def triton_interpreter_constexprs(monkeypatch: pytest.MonkeyPatch) -> Iterator[N
             raising=False,
         )
     yield
+
+
+def attention_modes(plan: dict[str, Any]) -> dict[str, tuple[str, str | None]]:
+    """Each ``plan`` group's attention mode and backend, by group name."""
+    return {
+        g["name"]: (g["attention_mode"], g["attention_backend"]) for g in plan["groups"]
+    }
