@@ -38,7 +38,6 @@ import pytest
 from vllm_dcp_geometry.contract import reference_slot_mapping
 from vllm_dcp_geometry.contract.collectives import (
     collective_bytes,
-    mla_decode_step_bytes,
 )
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
 from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
@@ -306,15 +305,7 @@ def test_collective_bytes_are_ring_traffic(world: int) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_step_formula(world: int, tokens: int, dtype: str) -> None:
     shape = Shape(3, 512, 64, dtype, max_model_len=64)
-    got = mla_decode_step_bytes(
-        world,
-        tokens=tokens,
-        heads_per_rank=shape.heads_per_rank,
-        kv_lora_rank=shape.kv_lora_rank,
-        rope_dim=shape.rope_dim,
-        dtype_bytes=shape.dtype_bytes,
-        lse_bytes=shape.lse_bytes,
-    )
+    got = shape.decode_step_bytes(world, tokens)
     assert got == _decode_bytes(world, tokens, shape.to_dict())
 
 

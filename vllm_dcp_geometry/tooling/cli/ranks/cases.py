@@ -28,7 +28,11 @@ from typing import Any
 
 from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.contract.attention_backends import collectives_within_replica
-from vllm_dcp_geometry.contract.collectives import REPLICA, collective_world_size
+from vllm_dcp_geometry.contract.collectives import (
+    REPLICA,
+    collective_world_size,
+    mla_decode_step_bytes,
+)
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology
 
 BACKEND = "TRITON_MLA"
@@ -70,6 +74,19 @@ class Shape:
     def lse_bytes(self) -> int:
         """Bytes of one LSE as ``BACKEND`` hands it on: the query's dtype."""
         return self.dtype_bytes
+
+    def decode_step_bytes(self, world_size: int, tokens: int) -> int:
+        """What one rank moves decoding ``tokens`` in one layer of this shape
+        over ``world_size`` ranks (``collectives.mla_decode_step_bytes``)."""
+        return mla_decode_step_bytes(
+            world_size,
+            tokens=tokens,
+            heads_per_rank=self.heads_per_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            rope_dim=self.rope_dim,
+            dtype_bytes=self.dtype_bytes,
+            lse_bytes=self.lse_bytes,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,7 +18,6 @@ from typing import Any
 
 from vllm_dcp_geometry.contract.collectives import (
     attention_work_ratio,
-    mla_decode_step_bytes,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.cases import (
     Shape,
@@ -155,15 +154,7 @@ def _measured(
     planned = g["collective_world_size"] if patched else dcp
     decode = [r["decode_bytes"] for r in ranks]
     tokens = ranks[0]["decode_tokens"]
-    expected = mla_decode_step_bytes(
-        planned,
-        tokens=tokens,
-        heads_per_rank=shape.heads_per_rank,
-        kv_lora_rank=shape.kv_lora_rank,
-        rope_dim=shape.rope_dim,
-        dtype_bytes=shape.dtype_bytes,
-        lse_bytes=shape.lse_bytes,
-    )
+    expected = shape.decode_step_bytes(planned, tokens)
     errors = _errors(ranks, g)
     matches = all(b == expected for b in decode) and attended == planned
     return {
