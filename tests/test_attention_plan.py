@@ -41,15 +41,15 @@ def test_default_profile_runs_every_group(capsys) -> None:
     assert err == ""
     # The DSpark draft: vLLM selects FLASHINFER_MLA for it under DCP.
     assert modes["draft"] == ("local", "FLASHINFER_MLA")
-    assert all(modes[f"mla.{i}"] == ("dcp", "FLASH_ATTN_MLA") for i in range(4))
+    assert all(modes[f"mla.{i}"] == ("dcp", "FLASH_ATTN_MLA") for i in range(5))
     classes = {g["name"]: g["layer_class"] for g in plan["groups"]}
     assert (
-        {classes[f"mla.{i}"] for i in range(4)}
+        {classes[f"mla.{i}"] for i in range(5)}
         == {classes["draft"]}
         == {"vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention"}
     )
-    assert all(classes[f"kda.{i}"] is None for i in range(12))
-    assert all(modes[f"kda.{i}"] == ("none", None) for i in range(12))
+    assert all(classes[f"kda.{i}"] is None for i in range(14))
+    assert all(modes[f"kda.{i}"] == ("none", None) for i in range(14))
     assert all(g["attention_refusal"] is None for g in plan["groups"])
     assert plan["inputs"]["attention_backend"] is None
 
@@ -184,8 +184,8 @@ def test_plan_names_the_caches_unpatched_vllm_would_misread(capsys) -> None:
     plan, _ = _plan(capsys)
     read = {g["name"]: g["upstream"]["attention_shard_count"] for g in plan["groups"]}
     assert read["draft"] == 16 and plan["groups"][-1]["upstream"]["shard_count"] == 1
-    assert all(read[f"mla.{i}"] == 16 for i in range(4))
-    assert all(read[f"kda.{i}"] is None for i in range(12))
+    assert all(read[f"mla.{i}"] == 16 for i in range(5))
+    assert all(read[f"kda.{i}"] is None for i in range(14))
     assert main(["plan"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "(wrong attention, no error): draft (written K=1, read K=16)" in text

@@ -33,25 +33,27 @@ def test_default_profile_widths_follow_the_contract(capsys):
     plan = _plan(capsys)
     topology = load_profile("kimi-k3-tp16-dcp16")
     length, seqs = topology.max_model_len, topology.max_num_seqs
-    assert len(plan["groups"]) == 17
+    # vLLM's planner: 14 KDA groups and 5 MLA groups of up to five layers,
+    # one draft group; its hybrid rule sets every block to 384 tokens.
+    assert len(plan["groups"]) == 20
     by_kind: dict[str, list[dict]] = {}
     for g in plan["groups"]:
         by_kind.setdefault("draft" if g["draft"] else g["kind"], []).append(g)
+    assert (len(by_kind["mamba"]), len(by_kind["mla"])) == (14, 5)
     for g in by_kind["mamba"]:
         assert g["shard_count"] == 1
-        assert g["block_table_width"] == 1310
+        assert g["block_table_width"] == 2612
         assert g["block_table_width"] == recurrent_align_block_table_width(
-            length, 768, 7
+            length, 384, 7
         )
     for g in by_kind["mla"]:
         assert g["shard_count"] == 16
-        assert g["block_table_width"] == attention_block_table_width(length, 64, 16)
-        assert g["block_table_width"] == 977
-        assert g["block_table_width_aligned"] == 978
+        assert g["block_table_width"] == attention_block_table_width(length, 384, 16)
+        assert g["block_table_width"] == g["block_table_width_aligned"] == 163
     (draft,) = by_kind["draft"]
     assert draft["shard_count"] == 1
-    assert draft["block_table_width"] == 15_625
-    assert draft["block_table_width_aligned"] == 15_626
+    assert draft["block_table_width"] == attention_block_table_width(length, 384, 1)
+    assert draft["block_table_width"] == draft["block_table_width_aligned"] == 2605
     for g in plan["groups"]:
         alignment = None if g["kind"] == "mamba" else 128
         aligned = get_block_table_width(

@@ -67,9 +67,9 @@ def test_default_replay_one_million_tokens_with_receipt(capsys, tmp_path: Path):
             g["block_table_width"]
         )
     assert widths == {
-        "mla": {attention_block_table_width(length, 64, 16)},
-        "mamba": {recurrent_align_block_table_width(length, 768, 7)},
-        "mla/draft": {attention_block_table_width(length, 64, 1)},
+        "mla": {attention_block_table_width(length, 384, 16)},
+        "mamba": {recurrent_align_block_table_width(length, 384, 7)},
+        "mla/draft": {attention_block_table_width(length, 384, 1)},
     }
     # Full attention holds every page of the request to the end; align-mode
     # recurrent groups keep the running state plus the speculative blocks.
@@ -155,7 +155,7 @@ def test_too_small_pool_is_a_violation(capsys):
     "args, message",
     [
         (["--tokens", "2000000"], "exceeds max_model_len"),
-        (["--step-tokens", "1000"], "must be a multiple of B=768"),
+        (["--step-tokens", "1000"], "must be a multiple of B=384"),
         (["--profile", "dense-gqa-tp8-dcp8", "--interleave", "3"], "interleave"),
     ],
 )

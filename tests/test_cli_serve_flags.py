@@ -135,7 +135,7 @@ def test_target_on_flashmla_with_the_draft_on_flashinfer_mla(capsys) -> None:
         '{"method": "dspark", "attention_backend": "FLASHINFER_MLA"}',
     )
     modes = attention_modes(plan)
-    assert all(modes[f"mla.{i}"] == ("dcp", "FLASHMLA") for i in range(4))
+    assert all(modes[f"mla.{i}"] == ("dcp", "FLASHMLA") for i in range(5))
     assert modes["draft"] == ("local", "FLASHINFER_MLA")
     assert plan["inputs"]["attention_backend"] == "FLASHMLA"
     assert plan["inputs"]["draft_attention_backend"] == "FLASHINFER_MLA"
@@ -191,8 +191,8 @@ def test_flags_read_as_vllms_parser_reads_them() -> None:
 # -- per-layer K through --additional-config -----------------------------------
 
 START_UP_CASES = [
-    (KIMI, {"model.layers.*.self_attn": "replicated"}),
-    (KIMI, {"model.layers.93.self_attn": "sharded", "model.layers.[37].*": 16}),
+    (KIMI, {"model.layers.*.self_attn": "sharded"}),
+    (KIMI, {"model.layers.*": 4, "language_model.model.layers.[37].*": 16}),
     (MLA_MIXED, {"model.layers.*": 2, "draft_model.*": 1}),
     ("deepseek-v32-tp8-dcp8", {"model.layers.*.self_attn.attn": 4}),
     ("partial-shard-tp8-dcp8", {"*": "sharded"}),
@@ -398,7 +398,7 @@ def test_emitted_topologies_round_trip(tmp_path: Path, name: str, suffix: str) -
 
 def test_plan_emits_the_overridden_topology(capsys, tmp_path: Path) -> None:
     path = tmp_path / "kimi.toml"
-    additional = '{"dcp_geometry": {"layers": {"model.layers.93.*": "sharded"}}}'
+    additional = '{"dcp_geometry": {"layers": {"model.layers.*": "sharded"}}}'
     argv = ["plan", "-p", KIMI, "--additional-config", additional]
     assert main([*argv, "--emit-topology", str(path)]) == EXIT_OK
     capsys.readouterr()

@@ -209,7 +209,7 @@ def test_unpatched_run_exits_1(tmp_path):
         (["--runner", "v3"], "invalid choice: 'v3'"),
         (["--workload", "mixed", "--tokens", "100"], "--tokens applies to"),
         (["--requests", "4"], "--requests applies to --workload mixed only"),
-        (["--step-tokens", "100"], "multiple of B=768"),
+        (["--step-tokens", "100"], "multiple of B=384"),
         (["--seed", "-1"], "--seed"),
         (["--dcp", "3"], "must divide"),
     ],

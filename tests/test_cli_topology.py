@@ -44,28 +44,32 @@ def test_builtin_profiles_load_and_include_the_small_ones():
     assert 4 in {g.shard_count(dcp) for g in topology.groups}
 
 
-def test_default_profile_is_the_17_group_kimi_k3_shape():
+def test_default_profile_is_kimi_k3_as_vllm_groups_it():
+    """The 20 groups vLLM 0.33.0's planner makes of Kimi-K3 and its DSpark
+    draft (``profiles --check`` holds the file to vLLM's model code)."""
     topology = load_profile(DEFAULT_PROFILE)
     assert topology.tensor_parallel_size == 16
     assert topology.decode_context_parallel_size == 16
     assert topology.max_model_len == 1_000_000
     assert topology.mamba_cache_mode == "align"
-    assert len(topology.groups) == 17
+    assert len(topology.groups) == 20
     target = [g for g in topology.groups if not g.draft]
     draft = [g for g in topology.groups if g.draft]
-    assert len(target) == 16 and len(draft) == 1
+    assert len(target) == 19 and len(draft) == 1
     assert sum(len(g.layers) for g in target) == 93
-    assert all(len(g.layers) <= 6 for g in target)
+    assert all(len(g.layers) <= 5 for g in topology.groups)
     mla = [g for g in target if g.kind == "mla"]
     kda = [g for g in target if g.kind == "mamba"]
-    assert len(mla) == 4 and len(kda) == 12
+    assert len(mla) == 5 and len(kda) == 14
+    assert sum(len(g.layers) for g in mla) == 24
+    assert {g.block_size for g in topology.groups} == {384}
     for g in kda:
-        assert g.block_size == 768
         assert g.spec_fields["num_speculative_blocks"] == 7
         assert g.layout is TokenLayout.RECURRENT
         assert g.shard_count(16) == 1
     assert all(g.shard_count(16) == 16 for g in mla)
     (d,) = draft
+    assert len(d.layers) == 5
     assert d.is_attention and d.layout is TokenLayout.REPLICATED
     assert d.shard_count(16) == 1
     assert topology.replay_tokens == 1_000_000

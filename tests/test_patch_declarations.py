@@ -366,6 +366,7 @@ def test_the_rest_applies_without_each_removal_group() -> None:
     without a partner is checked above (admission, the runners' checks,
     the Kimi-K3 binder)."""
     import json
+    from concurrent.futures import ThreadPoolExecutor
 
     from tests.support.processes import CPU_PRELUDE, REPO_ROOT, run_fresh_python
 
@@ -392,14 +393,20 @@ def test_the_rest_applies_without_each_removal_group() -> None:
     assert mla in groups and indexer in groups
     # The two runner pairs, the MLA seven and the indexer pair; the rest alone.
     assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 6 - 1
-    for group in groups:
-        result = run_fresh_python(
+
+    def applied_without(group: tuple[str, ...]) -> list[str]:
+        return run_fresh_python(
             ["-c", CPU_PRELUDE + WITHOUT_A_GROUP, json.dumps(group)],
             patched=False,
             env={"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_PLUGINS": ""},
             cwd=REPO_ROOT,
             timeout=300,
         )
+
+    # Two fresh processes at a time: each is one core importing vLLM.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(applied_without, groups))
+    for group, result in zip(groups, results, strict=True):
         assert result == sorted(set(PATCH_MODULES) - set(group)), group
 
 

@@ -305,7 +305,7 @@ def test_refused_groups_have_no_cost(capsys):
     assert draft["decode_collective_bytes_per_rank_per_token"] is None
     assert draft["attention_work_vs_sharded"] is None
     assert draft["decode_collective_bytes_reason"] == "refused at start-up"
-    # Kimi-K3-shaped MLA at TP16/DCP16: 4 heads a rank, 512 + 64, bfloat16.
-    h, w = 4, 16
+    # Kimi-K3's MLA at TP16/DCP16: 96 / 16 = 6 heads a rank, 512 + 64, bfloat16.
+    h, w = 6, 16
     expected = 2 * (w - 1) * (h * 576 * 2 + w * h * 4 + h * 512 * 2)
     assert groups["mla.0"]["decode_collective_bytes_per_rank_per_token"] == expected

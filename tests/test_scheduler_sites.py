@@ -15,6 +15,7 @@ import torch
 
 from tests.support import scheduler as topo
 from tests.support.processes import run_python
+from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import DcpGeometryError, contract
 from vllm_dcp_geometry.runtime.patching import original_of
 
@@ -236,13 +237,43 @@ def test_unify_hybrid_keeps_shard_counts_apart() -> None:
         "b.window": sliding(),
     }
     unpartitioned = dict(specs)
-    with pytest.raises(ValueError, match="different dcp_kv_shard_count"):
+    # Upstream promotes all of them as one set, which K keeps from unifying.
+    with pytest.raises(ValueError, match="Failed to promote local KV cache specs"):
         original_of(kv_cache_planning.unify_hybrid_kv_cache_specs)(unpartitioned)
     kv_cache_planning.unify_hybrid_kv_cache_specs(specs)
     assert all(type(s) is FullAttentionSpec for s in specs.values())
     assert specs["a.window"].dcp_kv_shard_count == 4
     assert specs["b.window"].dcp_kv_shard_count is None
     assert specs["a.window"].sliding_window == 1024
+
+
+def test_a_uniform_model_with_two_ks_gets_a_group_per_k() -> None:
+    """Layers that differ only in K do not merge, and vLLM's planner must
+    learn that as it learns it from its own ``merge`` (an AssertionError):
+    ``is_kv_cache_spec_uniform`` says no and the layers go to one group per
+    K. (The refusal used to be a plain ValueError, which escaped
+    ``is_kv_cache_spec_uniform`` and failed start-up for a dense model with
+    a partial half.)"""
+    from vllm.v1.core import kv_cache_planning
+
+    specs = {
+        f"model.layers.{i}.attn": topo.attention_spec(
+            dcp_kv_shard_count=4 if i >= 2 else None
+        )
+        for i in range(4)
+    }
+    with pytest.raises(AssertionError, match="different dcp_kv_shard_count"):
+        next(iter(specs.values())).merge(list(specs.values()))
+    assert not kv_cache_planning.is_kv_cache_spec_uniform(specs)
+    config = make_vllm_config(8, real=True)
+    config.cache_config.kv_cache_layout = "LBNHC"
+    groups = kv_cache_planning.get_kv_cache_groups(config, specs)
+    assert sorted(
+        (g.layer_names, g.kv_cache_spec.dcp_kv_shard_count) for g in groups
+    ) == [
+        (["model.layers.0.attn", "model.layers.1.attn"], None),
+        (["model.layers.2.attn", "model.layers.3.attn"], 4),
+    ]
 
 
 # KV connectors and benchmark -------------------------------------------------------

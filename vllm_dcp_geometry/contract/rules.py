@@ -39,6 +39,13 @@ class DcpGeometryError(ValueError):
     """A KV-cache spec, layer or layout breaks the DCP geometry contract."""
 
 
+class ShardCountMergeError(DcpGeometryError, AssertionError):
+    """Specs of different K asked to share one KV-cache group. Also an
+    ``AssertionError``: that is how vLLM's planner learns that two specs do
+    not merge (``is_kv_cache_spec_uniform`` catches only it), so that it keeps
+    them in different groups instead of failing start-up."""
+
+
 class TokenLayout(str, enum.Enum):
     """How a cache stores token positions under DCP, before any count is set."""
 

@@ -59,9 +59,15 @@ PINNED_MEMORY_MODULES = (*HOST_BUFFER_MODULES, MLA_ATTENTION_MODULE)
 
 def child_environment() -> dict[str, str]:
     """What a worker process on a machine with no visible GPU gets in its
-    environment (before it imports vLLM): the Triton interpreter, and an
-    empty visible-devices list."""
-    return {INTERPRETER: "1", VISIBLE_DEVICES: ""}
+    environment (before it imports vLLM): the Triton interpreter, an empty
+    visible-devices list, and no background build of the humming kernel
+    launcher (importing vLLM's MoE layers starts one, a CUDA compile that
+    only takes CPU from the build here)."""
+    return {
+        INTERPRETER: "1",
+        VISIBLE_DEVICES: "",
+        "HUMMING_DISABLE_PARALLEL_BUILD": "1",
+    }
 
 
 def disable_pinned_memory(

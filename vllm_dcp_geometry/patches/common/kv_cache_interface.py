@@ -6,7 +6,9 @@ What: adds ``dcp_kv_shard_count`` (keyword-only, default None) to every
 ``AttentionSpec`` as a real dataclass field, a ``dcp_shard_count(D)`` method to
 every ``KVCacheSpec`` class and the module function
 ``get_kv_cache_dcp_shard_count(spec, D)``; wraps ``merge`` (layers with
-different K never merge), ``UniformTypeKVCacheSpecs.is_uniform_type``,
+different K never merge; the refusal is an ``AssertionError`` too, vLLM's
+sign that specs belong in different groups),
+``UniformTypeKVCacheSpecs.is_uniform_type``,
 ``AttentionSpec.max_num_blocks_per_req`` and
 ``FullAttentionSpec.max_memory_usage_bytes`` so they use K.
 
@@ -29,6 +31,7 @@ from typing import Any
 
 from vllm_dcp_geometry.contract import (
     DcpGeometryError,
+    ShardCountMergeError,
     TokenLayout,
     attention_block_table_width,
     check_dcp_world_size,
@@ -181,7 +184,7 @@ def _make_merge(original: Callable[..., Any]) -> Callable[..., Any]:
         if counts <= {None}:
             return original(cls, specs)
         if len(counts) > 1:
-            raise DcpGeometryError(
+            raise ShardCountMergeError(
                 f"{cls.__name__}.merge: layers with different dcp_kv_shard_count "
                 f"({sorted(counts, key=str)}) cannot share one KV-cache group"
             )

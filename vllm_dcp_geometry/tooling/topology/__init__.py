@@ -12,7 +12,8 @@ Topologies come from the built-in profiles
 
 - ``model``: ``CacheGroup`` and ``Topology``, validated against the contract;
 - ``parsing``: a parsed TOML/JSON document to a ``Topology``;
-- ``files``: topology files and the built-in profiles;
+- ``files``: topology files and the built-in profiles, with the model each
+  model profile stands for (``model_configs/profiles.toml``);
 - ``limits``: the ranges values may take, bounded by what vLLM can represent;
 - ``overrides``: ``--additional-config``'s ``dcp_geometry`` section applied to
   the groups, by the contract functions start-up applies;
@@ -24,8 +25,11 @@ object is built, with a message naming the group.
 
 from vllm_dcp_geometry.tooling.topology.files import (
     DEFAULT_PROFILE,
+    ProfileModel,
     load_profile,
     load_topology_file,
+    model_configs_dir,
+    profile_models,
     profile_names,
 )
 from vllm_dcp_geometry.tooling.topology.limits import TopologyError
@@ -48,11 +52,14 @@ __all__ = [
     "MAMBA_CACHE_MODES",
     "RECURRENT_KINDS",
     "CacheGroup",
+    "ProfileModel",
     "Topology",
     "TopologyError",
     "apply_additional_config",
     "load_profile",
     "load_topology_file",
+    "model_configs_dir",
+    "profile_models",
     "profile_names",
     "topology_from_mapping",
     "write_topology_file",

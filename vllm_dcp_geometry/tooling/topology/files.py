@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from vllm_dcp_geometry.tooling.topology.parsing import topology_from_mapping
 
 DEFAULT_PROFILE = "kimi-k3-tp16-dcp16"
 _SUFFIXES = (".toml", ".json")
+MODEL_CONFIGS_PLACEHOLDER = "{model_configs}"
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -145,3 +147,54 @@ def load_profile(name: str) -> Topology:
     entry = _profiles_dir().joinpath(f"{name}.toml")
     data = _parse_toml(entry.read_text(encoding="utf-8"), f"profile {name}")
     return topology_from_mapping(data, f"profile {name}")
+
+
+def model_configs_dir() -> Path:
+    """The reduced model directories shipped with the tooling."""
+    return Path(str(resources.files("vllm_dcp_geometry.tooling") / "model_configs"))
+
+
+@dataclass(frozen=True)
+class ProfileModel:
+    """The model folder and ``vllm serve`` flags a built-in profile stands
+    for (``model_configs/profiles.toml``): the profile must equal what vLLM's
+    model code builds for them."""
+
+    profile: str
+    model: str
+    """A folder of ``model_configs``."""
+    serve_flags: tuple[str, ...]
+
+    def serve_argv(self) -> list[str]:
+        """The flags as ``--model``'s planning build takes them."""
+        root = str(model_configs_dir())
+        return [
+            "--model",
+            f"{root}/{self.model}",
+            *(
+                flag.replace(MODEL_CONFIGS_PLACEHOLDER, root)
+                for flag in self.serve_flags
+            ),
+        ]
+
+
+def profile_models() -> dict[str, ProfileModel]:
+    """The built-in profiles that stand for a model, by profile name."""
+    source = "model_configs/profiles.toml"
+    path = model_configs_dir() / "profiles.toml"
+    data = _parse_toml(path.read_text(encoding="utf-8"), source)
+    names = profile_names()
+    models: dict[str, ProfileModel] = {}
+    for profile, entry in data.items():
+        where = f"{source}: [{profile}]"
+        if profile not in names:
+            raise TopologyError(f"{where}: no built-in profile of that name")
+        if not isinstance(entry, dict) or set(entry) != {"model", "serve_flags"}:
+            raise TopologyError(f"{where}: needs exactly 'model' and 'serve_flags'")
+        model, flags = entry["model"], entry["serve_flags"]
+        if not isinstance(model, str) or not (model_configs_dir() / model).is_dir():
+            raise TopologyError(f"{where}: model {show(model)} is not a folder here")
+        if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+            raise TopologyError(f"{where}: serve_flags must be a list of strings")
+        models[profile] = ProfileModel(profile, model, tuple(flags))
+    return models

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""``vllm-dcp-geometry profiles``: list the built-in topologies (no vLLM)."""
+"""``vllm-dcp-geometry profiles``: list the built-in topologies (no vLLM);
+``--check`` builds the model each model profile stands for with vLLM's model
+code and names every difference (``drift``)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,16 @@ import argparse
 import json
 from typing import Any
 
-from vllm_dcp_geometry.tooling.cli.common.status import EXIT_OK
+from vllm_dcp_geometry.tooling.cli.common import runs
+from vllm_dcp_geometry.tooling.cli.common.status import (
+    EXIT_OK,
+    EXIT_VIOLATION,
+    CliError,
+)
 from vllm_dcp_geometry.tooling.topology import (
     DEFAULT_PROFILE,
     load_profile,
+    profile_models,
     profile_names,
 )
 
@@ -21,10 +29,57 @@ HELP = "list the built-in topologies"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``profiles``'s flags."""
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--check",
+        nargs="*",
+        metavar="NAME",
+        help="build the model each named profile (default: every model "
+        "profile) stands for with vLLM's model code and name every "
+        "difference; exit 1 on any",
+    )
+
+
+def _check(args: argparse.Namespace) -> int:
+    from vllm_dcp_geometry.tooling.cli.profiles.drift import profile_drift
+    from vllm_dcp_geometry.tooling.serve.deployment import model_topology
+
+    models = profile_models()
+    names = args.check or sorted(models)
+    unknown = [name for name in names if name not in models]
+    if unknown:
+        raise CliError(
+            f"--check: {', '.join(unknown)} stand(s) for no model; model "
+            f"profiles: {', '.join(sorted(models))}"
+        )
+    runs.prepare_vllm(args, patched=True)
+    rows = []
+    for name in names:
+        model = models[name]
+        drift = profile_drift(load_profile(name), model_topology(model.serve_argv()))
+        rows.append(
+            {
+                "name": name,
+                "model": model.model,
+                "serve_flags": list(model.serve_flags),
+                "drift": drift,
+            }
+        )
+    lines = []
+    for row in rows:
+        verdict = "differs from" if row["drift"] else "equals"
+        lines.append(
+            f"{row['name']} {verdict} vLLM's build of model_configs/{row['model']}"
+        )
+        lines += [f"    {line}" for line in row["drift"]]
+    runs.emit({"command": "profiles", "checks": rows}, args.json, "\n".join(lines))
+    return EXIT_VIOLATION if any(row["drift"] for row in rows) else EXIT_OK
 
 
 def command(args: argparse.Namespace) -> int:
     """``vllm-dcp-geometry profiles``."""
+    if args.check is not None:
+        return _check(args)
+    models = profile_models()
     rows: list[dict[str, Any]] = []
     for name in profile_names():
         topology = load_profile(name)
@@ -39,6 +94,7 @@ def command(args: argparse.Namespace) -> int:
                 "dcp": topology.decode_context_parallel_size,
                 "max_model_len": topology.max_model_len,
                 "description": topology.description,
+                "model": models[name].model if name in models else None,
             }
         )
     if args.json:
@@ -54,4 +110,8 @@ def command(args: argparse.Namespace) -> int:
         )
         if row["description"]:
             print(f"    {row['description']}")
+        if row["model"]:
+            print(f"    vLLM's model code for model_configs/{row['model']} (--check)")
+        else:
+            print("    hypothetical: written by hand, no model's")
     return EXIT_OK
