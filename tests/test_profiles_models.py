@@ -88,8 +88,12 @@ def test_the_check_names_each_planted_difference(built: dict[str, Topology]) -> 
         drift = profile_drift(wrong, model)
         assert any(expected in line for line in drift), (expected, drift)
     # A planted spec change also shows in what plan derives from it.
-    drift = profile_drift(planted[next(k for k in planted if "dcp_sharded" in k)], model)
-    assert any("plan's shard_count 16 in the profile, 1 in the model" in line for line in drift)
+    drift = profile_drift(
+        planted[next(k for k in planted if "dcp_sharded" in k)], model
+    )
+    assert any(
+        "plan's shard_count 16 in the profile, 1 in the model" in line for line in drift
+    )
 
 
 def test_profiles_check_exits_1_on_drift(
@@ -111,7 +115,9 @@ def test_profiles_check_exits_1_on_drift(
     monkeypatch.setattr(deployment, "model_topology", lambda argv: wrong)
     assert main(["profiles", "--check", DEFAULT_PROFILE]) == EXIT_VIOLATION
     out = capsys.readouterr().out
-    assert f"{DEFAULT_PROFILE} differs from vLLM's build of model_configs/kimi-k3" in out
+    assert (
+        f"{DEFAULT_PROFILE} differs from vLLM's build of model_configs/kimi-k3" in out
+    )
     assert "max_model_len: 1000000 in the profile, 2000000 in the model" in out
     assert main(["profiles", "--check", "dense-gqa-tp8-dcp8"]) == 2
     assert "stand(s) for no model" in capsys.readouterr().err

@@ -12,9 +12,13 @@ from pathlib import Path
 import pytest
 
 from vllm_dcp_geometry.tooling.cli import main
-from vllm_dcp_geometry.tooling.topology import TopologyError, topology_from_mapping
+from vllm_dcp_geometry.tooling.topology import (
+    TopologyError,
+    model_configs_dir,
+    topology_from_mapping,
+)
 
-MODELS = Path(__file__).parent.parent / "vllm_dcp_geometry/tooling/model_configs"
+MODELS = model_configs_dir()
 
 
 @pytest.fixture
