@@ -194,7 +194,7 @@ START_UP_CASES = [
     (KIMI, {"model.layers.*.self_attn": "sharded"}),
     (KIMI, {"model.layers.*": 4, "language_model.model.layers.[37].*": 16}),
     (MLA_MIXED, {"model.layers.*": 2, "draft_model.*": 1}),
-    ("deepseek-v32-tp8-dcp8", {"model.layers.*.self_attn.attn": 4}),
+    ("deepseek-v32-tp8-dcp8", {"model.layers.*.self_attn.attn": "sharded"}),
     ("partial-shard-tp8-dcp8", {"*": "sharded"}),
     ("mamba-hybrid-tp4-dcp4", {"model.layers.*.mixer": "replicated"}),
     ("dense-gqa-tp8-dcp8", {"model.layers.*": 2}),

@@ -171,7 +171,7 @@ def test_missing_shapes_print_a_dash_with_the_reason(capsys, tmp_path):
 
 def test_quantized_caches_and_indexers_get_no_bytes(capsys):
     groups = plan_groups(capsys, "--profile", "deepseek-v32-tp8-dcp8")
-    for name in ("latent.k8", "latent.k4", "indexer.k8", "indexer.k4"):
+    for name in ("latent.k4", "indexer.k4"):
         g = groups[name]
         assert g["decode_collective_bytes_per_rank_per_token"] is None
         assert g["decode_collective_bytes_reason"]

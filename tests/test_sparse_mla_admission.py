@@ -299,11 +299,17 @@ def _plan(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_plan_shows_partial_and_local_sparse_groups(tmp_path: Path) -> None:
-    done = _plan("-p", PROFILE)
-    assert done.returncode == 0, done.stderr
-    groups = {g["name"]: g for g in json.loads(done.stdout)["groups"]}
-    for half, mode, k in (("k8", "dcp", 8), ("k4", "dcp-partial", 4)):
-        latent, indexer = groups[f"latent.{half}"], groups[f"indexer.{half}"]
+    # The profile at K=4, and every layer at vLLM's K=8.
+    sharded = tmp_path / "sharded.toml"
+    sharded.write_text(_profile_source().replace("dcp_kv_shard_count = 4", ""))
+    for source, mode, k in (
+        (("-p", PROFILE), "dcp-partial", 4),
+        (("-t", str(sharded)), "dcp", 8),
+    ):
+        done = _plan(*source)
+        assert done.returncode == 0, done.stderr
+        groups = {g["name"]: g for g in json.loads(done.stdout)["groups"]}
+        latent, indexer = groups["latent.k4"], groups["indexer.k4"]
         assert (latent["attention_mode"], indexer["attention_mode"]) == (mode, mode)
         assert latent["attention_backend"] == "FLASHMLA_SPARSE"
         assert indexer["attention_backend"] == "DEEPSEEK_V32_INDEXER"
@@ -327,7 +333,7 @@ def test_plan_refuses_an_indexer_with_another_k(tmp_path: Path) -> None:
     done = _plan("-t", str(broken))
     assert done.returncode == 2
     assert "must share one K" in done.stderr
-    assert "model.layers.31.self_attn.indexer.k_cache" in done.stderr
+    assert "model.layers.0.self_attn.indexer.k_cache" in done.stderr
 
 
 def test_plan_refuses_an_indexer_cache_without_its_deepseek_reader(
@@ -344,9 +350,7 @@ def test_plan_refuses_an_indexer_cache_without_its_deepseek_reader(
     )
     done = _plan("-t", str(moved))
     assert done.returncode == 2
-    assert "KV-cache group 3 (model.layers.31.self_attn.indexer.k_cache" in (
-        done.stderr
-    )
-    assert "is read by model.layers.31.self_attn.attn (not in the model)" in (
+    assert "KV-cache group 1 (model.layers.0.self_attn.indexer.k_cache" in (done.stderr)
+    assert "is read by model.layers.0.self_attn.attn (not in the model)" in (
         done.stderr
     )

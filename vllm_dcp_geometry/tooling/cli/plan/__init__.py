@@ -25,6 +25,7 @@ from vllm_dcp_geometry.tooling.cli.plan.attention import (
     check_draft_attention_backend,
 )
 from vllm_dcp_geometry.tooling.cli.plan.document import build_plan, first_refusal
+from vllm_dcp_geometry.tooling.cli.plan.grouping import start_up_grouping
 from vllm_dcp_geometry.tooling.cli.plan.output import format_plan
 
 HELP = "per-group shard count, widths and block-table bytes vs vLLM 0.33.0"
@@ -61,8 +62,12 @@ def command(args: argparse.Namespace) -> int:
         draft_attention_backend=check_draft_attention_backend(args.speculative_config),
     )
     document["inputs"]["additional_config"] = args.additional_config
+    document["start_up_grouping"] = grouping = start_up_grouping(
+        topology,
+        {g["attention_backend"] for g in document["groups"] if g["attention_backend"]},
+    )
     document.update(runs.versions())
     runs.emit(document, args.json, format_plan(document))
-    refusal = first_refusal(document)
+    refusal = first_refusal(document) or grouping.get("refusal")
     # A group start-up would refuse: the same one-line error, exit 2.
     return EXIT_OK if refusal is None else report_bad_input(refusal)

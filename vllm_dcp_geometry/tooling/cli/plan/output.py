@@ -204,6 +204,32 @@ def _attention_lines(plan: dict[str, Any]) -> list[str]:
     return lines + [f"refused: {reason}" for reason in refusals if reason]
 
 
+_DIFFERENCES_SHOWN = 3
+
+
+def _grouping_lines(plan: dict[str, Any]) -> list[str]:
+    grouping = plan.get("start_up_grouping")
+    if not grouping or not grouping["checked"]:
+        return []
+    if grouping["refusal"]:
+        return [f"refused: {grouping['refusal']}"]
+    if grouping["matches"]:
+        return [
+            f"start-up groups these layers as the topology does (vLLM's planner, "
+            f"layout {grouping['kv_cache_layout']})"
+        ]
+    differences = grouping["differences"]
+    more = len(differences) - _DIFFERENCES_SHOWN
+    return [
+        f"WARNING: start-up groups these layers differently: vLLM's planner makes "
+        f"{len(grouping['groups'])} groups of the topology's "
+        f"{len(plan['groups'])}; the rows above price the topology's groups, not "
+        "start-up's:",
+        *(f"  {d}" for d in differences[:_DIFFERENCES_SHOWN]),
+        *([f"  ... and {more} more (--json: start_up_grouping)"] if more > 0 else []),
+    ]
+
+
 def _totals_lines(plan: dict[str, Any]) -> list[str]:
     totals = plan["totals"]
     up_totals = totals["upstream"]
@@ -257,6 +283,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             "table B/rank as a difference (= means identical).",
             *_attention_lines(plan),
             *_cost_lines(plan),
+            *_grouping_lines(plan),
             *_totals_lines(plan),
         ]
     )
