@@ -256,3 +256,34 @@ def test_a_fifo_is_refused_without_blocking(tmp_path: Path):
     os.mkfifo(fifo)
     with pytest.raises(TopologyError, match="is not a regular file"):
         load_topology_file(fifo)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ('[no-such-profile]\nmodel = "m"\nserve_flags = []', "no built-in profile"),
+        (
+            f'[{DEFAULT_PROFILE}]\nmodel = "m"\nserve_flags = []\nnote = 1',
+            "needs exactly 'model' and 'serve_flags'",
+        ),
+        (
+            f'[{DEFAULT_PROFILE}]\nmodel = "absent"\nserve_flags = []',
+            "model 'absent' is not a folder here",
+        ),
+        (
+            f'[{DEFAULT_PROFILE}]\nmodel = "m"\nserve_flags = "--tp 2"',
+            "serve_flags must be a list of strings",
+        ),
+    ],
+)
+def test_profile_models_name_the_broken_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str, message: str
+) -> None:
+    from vllm_dcp_geometry.tooling.topology import files
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "profiles.toml").write_text(entry)
+    monkeypatch.setattr(files, "model_configs_dir", lambda: tmp_path)
+    with pytest.raises(TopologyError, match=message) as error:
+        files.profile_models()
+    assert "model_configs/profiles.toml: [" in str(error.value)

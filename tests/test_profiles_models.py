@@ -35,10 +35,12 @@ def built() -> dict[str, Topology]:
     }
 
 
-def test_the_default_profile_stands_for_kimi_k3() -> None:
-    models = profile_models()
-    assert sorted(models) == [DEFAULT_PROFILE]
-    assert models[DEFAULT_PROFILE].model == "kimi-k3"
+def test_the_model_profiles_and_their_models() -> None:
+    models = {name: model.model for name, model in profile_models().items()}
+    assert models == {
+        DEFAULT_PROFILE: "kimi-k3",
+        "deepseek-v32-tp8-dcp8": "deepseek-v32",
+    }
 
 
 def test_model_profiles_equal_vllms_build(built: dict[str, Topology]) -> None:
@@ -110,7 +112,10 @@ def test_profiles_check_exits_1_on_drift(
     )
     assert main(["profiles", "--check", "--json"]) == EXIT_OK
     checks = json.loads(capsys.readouterr().out)["checks"]
-    assert [(c["name"], c["drift"]) for c in checks] == [(DEFAULT_PROFILE, [])]
+    assert [(c["name"], c["drift"]) for c in checks] == [
+        ("deepseek-v32-tp8-dcp8", []),
+        (DEFAULT_PROFILE, []),
+    ]
     wrong = dataclasses.replace(built[DEFAULT_PROFILE], max_model_len=2_000_000)
     monkeypatch.setattr(deployment, "model_topology", lambda argv: wrong)
     assert main(["profiles", "--check", DEFAULT_PROFILE]) == EXIT_VIOLATION

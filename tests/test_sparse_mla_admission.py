@@ -317,7 +317,9 @@ def test_plan_shows_partial_and_local_sparse_groups(tmp_path: Path) -> None:
     # Every group replicated: local, no gather or combine.
     replicated = tmp_path / "replicated.toml"
     replicated.write_text(
-        _profile_source().replace("dcp_kv_shard_count = 4", "dcp_sharded = false")
+        _profile_source()
+        .replace("dcp_kv_shard_count = 4\n", "")
+        .replace("dcp_sharded = true", "dcp_sharded = false")
     )
     done = _plan("-t", str(replicated))
     assert done.returncode == 0, done.stderr

@@ -20,12 +20,12 @@ from vllm_dcp_geometry.tooling.cli.common.flags import (
     json_object_flag,
     load_topology,
 )
+from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import start_up_grouping
 from vllm_dcp_geometry.tooling.cli.common.status import EXIT_OK, report_bad_input
 from vllm_dcp_geometry.tooling.cli.plan.attention import (
     check_draft_attention_backend,
 )
 from vllm_dcp_geometry.tooling.cli.plan.document import build_plan, first_refusal
-from vllm_dcp_geometry.tooling.cli.plan.grouping import start_up_grouping
 from vllm_dcp_geometry.tooling.cli.plan.output import format_plan
 
 HELP = "per-group shard count, widths and block-table bytes vs vLLM 0.33.0"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import grouping_lines
 from vllm_dcp_geometry.tooling.cli.common.text_table import RULE, render_table
 from vllm_dcp_geometry.tooling.cli.plan.document import misread_by_upstream
 
@@ -204,30 +205,12 @@ def _attention_lines(plan: dict[str, Any]) -> list[str]:
     return lines + [f"refused: {reason}" for reason in refusals if reason]
 
 
-_DIFFERENCES_SHOWN = 3
-
-
 def _grouping_lines(plan: dict[str, Any]) -> list[str]:
-    grouping = plan.get("start_up_grouping")
-    if not grouping or not grouping["checked"]:
-        return []
-    if grouping["refusal"]:
-        return [f"refused: {grouping['refusal']}"]
-    if grouping["matches"]:
-        return [
-            f"start-up groups these layers as the topology does (vLLM's planner, "
-            f"layout {grouping['kv_cache_layout']})"
-        ]
-    differences = grouping["differences"]
-    more = len(differences) - _DIFFERENCES_SHOWN
-    return [
-        f"WARNING: start-up groups these layers differently: vLLM's planner makes "
-        f"{len(grouping['groups'])} groups of the topology's "
-        f"{len(plan['groups'])}; the rows above price the topology's groups, not "
-        "start-up's:",
-        *(f"  {d}" for d in differences[:_DIFFERENCES_SHOWN]),
-        *([f"  ... and {more} more (--json: start_up_grouping)"] if more > 0 else []),
-    ]
+    return grouping_lines(
+        plan.get("start_up_grouping"),
+        len(plan["groups"]),
+        "the rows above price the topology's groups, not start-up's",
+    )
 
 
 def _totals_lines(plan: dict[str, Any]) -> list[str]:

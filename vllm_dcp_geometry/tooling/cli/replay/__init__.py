@@ -21,6 +21,10 @@ from vllm_dcp_geometry.tooling.cli.common.flags import (
     add_topology_args,
     load_topology,
 )
+from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import (
+    checked_start_up_grouping,
+    with_grouping_notice,
+)
 from vllm_dcp_geometry.tooling.cli.replay.output import format_baseline, format_replay
 from vllm_dcp_geometry.tooling.cli.replay.run import compare_replays, run_replay
 
@@ -47,6 +51,7 @@ def command(args: argparse.Namespace) -> int:
     step_tokens = runs.replay_step_tokens(topology, args.step_tokens)
     runs.check_replay_inputs(topology, tokens, step_tokens)
     unpatched = runs.start_vllm(args)
+    grouping = None if unpatched else checked_start_up_grouping(topology)
     capacity.check_replay_capacity(
         topology, tokens=tokens, step_tokens=step_tokens, num_pages=args.num_pages
     )
@@ -67,6 +72,13 @@ def command(args: argparse.Namespace) -> int:
         "topology": topology.to_dict(),
     }
     text = format_replay(report)
+    text = with_grouping_notice(
+        report,
+        text,
+        grouping,
+        len(topology.groups),
+        "replay ran vLLM's manager on the topology's groups, not start-up's",
+    )
     if args.baseline and not unpatched:
         text = runs.show_before_baseline(text, args.json)
         baseline = runs.run_unpatched(

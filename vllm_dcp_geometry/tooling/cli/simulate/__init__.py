@@ -32,6 +32,10 @@ from vllm_dcp_geometry.tooling.cli.common.flags import (
     int_flag,
     load_topology,
 )
+from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import (
+    checked_start_up_grouping,
+    with_grouping_notice,
+)
 from vllm_dcp_geometry.tooling.cli.simulate.options import SimulationOptions
 from vllm_dcp_geometry.tooling.cli.simulate.report import (
     compare_runs,
@@ -163,6 +167,7 @@ def command(args: argparse.Namespace) -> int:
     topology = load_topology(args)
     tokens = check_inputs(topology, args)
     unpatched = runs.start_vllm(args)
+    grouping = None if unpatched else checked_start_up_grouping(topology)
     check_capacity(topology, args, tokens)
     options = SimulationOptions(
         runner=args.runner,
@@ -189,6 +194,13 @@ def command(args: argparse.Namespace) -> int:
         "topology": topology.to_dict(),
     }
     text = format_report(report)
+    text = with_grouping_notice(
+        report,
+        text,
+        grouping,
+        len(topology.groups),
+        "simulate ran vLLM's scheduler on the topology's groups, not start-up's",
+    )
     if args.baseline and not unpatched:
         text = runs.show_before_baseline(text, args.json)
         baseline = run_unpatched_baseline(topology, args, tokens)

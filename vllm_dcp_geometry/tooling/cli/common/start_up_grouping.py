@@ -4,10 +4,11 @@
 
 A topology file states its groups; vLLM's engine core makes its own from the
 layers' specs (``get_global_kv_cache_groups``, with the plugin's patches), and
-may refuse the mix, split a group, merge two or pad a page. ``plan`` runs that
-planner on the specs the topology builds, so a layout start-up refuses is
-refused (exit 2, vLLM's message), and a grouping that differs from the file's is named in
-the output instead of being priced as the file states it.
+may refuse the mix, split a group, merge two or pad a page. ``plan``,
+``replay`` and ``simulate`` run that planner on the specs the topology
+builds, so a layout start-up refuses is refused (exit 2, vLLM's message), and
+a grouping that differs from the file's is named in the output, with what the
+command priced or ran on it.
 
 A topology is a model vLLM's registry does not know, so it declares no
 grouping of its own (``SupportsKVCacheGrouping``): vLLM's default grouping is
@@ -27,8 +28,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_dcp_geometry.tooling import vllm_objects
-from vllm_dcp_geometry.tooling.topology import Topology
 from vllm_dcp_geometry.tooling.serve.deployment import MODEL_SOURCE
+from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
+
+DIFFERENCES_SHOWN = 3
 
 
 def _model_order(name: str) -> list[Any]:
@@ -161,13 +164,19 @@ def start_up_grouping(topology: Topology, backend_names: set[str]) -> dict[str, 
     try:
         layout = resolve_kv_cache_layout(config, [layouts], specs.values())
         groups = list(get_global_kv_cache_groups(config, [dict(specs)]))
-    except (ValueError, AssertionError, NotImplementedError) as exc:
-        message = " ".join(str(exc).split())
+    # Whatever vLLM's planner raises, start-up raises: its own refusals
+    # (ValueError, AssertionError, NotImplementedError) and its failures on a
+    # mix it does not foresee (a StopIteration over an empty group).
+    except Exception as exc:
+        message = " ".join(str(exc).split()) or "no message"
+        refuses = "refuses"
+        if not isinstance(exc, (ValueError, AssertionError, NotImplementedError)):
+            message, refuses = f"{type(exc).__name__}: {message}", "fails on"
         return {
             "checked": True,
             "matches": False,
             "refusal": f"topology {topology.name!r}: vLLM's KV-cache planner "
-            f"refuses these layers, as start-up would ({message})",
+            f"{refuses} these layers, as start-up would ({message})",
             "layout_unread": unread,
         }
     differences = _differences(topology, groups, specs)
@@ -180,3 +189,56 @@ def start_up_grouping(topology: Topology, backend_names: set[str]) -> dict[str, 
         "differences": differences,
         "groups": [_group_summary(g) for g in groups],
     }
+
+
+def checked_start_up_grouping(topology: Topology) -> dict[str, Any]:
+    """``start_up_grouping`` for a command that runs vLLM's KV-cache manager
+    on the topology's groups (no backends chosen: vLLM's default layout
+    preference); a layout start-up refuses is a ``TopologyError``."""
+    grouping = start_up_grouping(topology, set())
+    if grouping.get("refusal"):
+        raise TopologyError(grouping["refusal"])
+    return grouping
+
+
+def grouping_lines(
+    grouping: dict[str, Any] | None, listed_groups: int, used_as: str
+) -> list[str]:
+    """The planner check in a command's text: the refusal, the match, or a
+    WARNING naming how start-up groups otherwise (``used_as``: what the
+    command did with the file's groups)."""
+    if not grouping or not grouping["checked"]:
+        return []
+    if grouping["refusal"]:
+        return [f"refused: {grouping['refusal']}"]
+    if grouping["matches"]:
+        return [
+            f"start-up groups these layers as the topology does (vLLM's planner, "
+            f"layout {grouping['kv_cache_layout']})"
+        ]
+    differences = grouping["differences"]
+    more = len(differences) - DIFFERENCES_SHOWN
+    return [
+        f"WARNING: start-up groups these layers differently: vLLM's planner makes "
+        f"{len(grouping['groups'])} groups of the topology's {listed_groups}; "
+        f"{used_as}:",
+        *(f"  {d}" for d in differences[:DIFFERENCES_SHOWN]),
+        *([f"  ... and {more} more (--json: start_up_grouping)"] if more > 0 else []),
+    ]
+
+
+def with_grouping_notice(
+    report: dict[str, Any],
+    text: str,
+    grouping: dict[str, Any] | None,
+    listed_groups: int,
+    used_as: str,
+) -> str:
+    """Store the planner check in ``report``; a grouping that is not the
+    file's leads ``text`` with its WARNING."""
+    if grouping is None:
+        return text
+    report["start_up_grouping"] = grouping
+    if not grouping.get("differences"):
+        return text
+    return "\n".join([*grouping_lines(grouping, listed_groups, used_as), text])
