@@ -190,3 +190,111 @@ def test_gpt_oss_under_dcp_is_refused_by_vllms_own_model_code(run_cli) -> None:
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert "GptOssForCausalLM" in err and "refuses this configuration" in err
+
+
+def _config(model: str) -> dict:
+    return json.loads((MODELS / model / "config.json").read_text())
+
+
+def _emitted_groups(tmp_path: Path, run_cli_json, *flags: str) -> tuple[dict, dict]:
+    """``plan --json`` on a test model and the topology it emits (its
+    groups by name, spec fields included)."""
+    out = tmp_path / "emitted.json"
+    code, plan = run_cli_json("plan", "--json", *flags, "--emit-topology", str(out))
+    assert code == 0, plan
+    emitted = {g["name"]: g for g in json.loads(out.read_text())["groups"]}
+    return plan, emitted
+
+
+@pytest.mark.slow
+def test_glm5_groups_follow_its_config(tmp_path: Path, run_cli_json) -> None:
+    """GLM-5 (``GlmMoeDsaForCausalLM``, DeepSeek-V3.2's DSA code) with its MTP
+    layer: every layer's latent and indexer cache, at the widths its
+    ``config.json`` gives, the MTP layer's as the draft."""
+    config = _config("glm-5")
+    plan, emitted = _emitted_groups(
+        tmp_path, run_cli_json,
+        "--model", str(MODELS / "glm-5"),
+        "--tensor-parallel-size", "8", "--decode-context-parallel-size", "8",
+        "--kv-cache-dtype", "fp8_ds_mla",
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+    )  # fmt: skip
+    layers = config["num_hidden_layers"]
+    mtp = config["num_nextn_predict_layers"]
+    latent = [g for g in emitted.values() if g.get("cache_role") == "sparse"]
+    indexer = [g for g in emitted.values() if g.get("cache_role") == "indexer"]
+    for caches, suffix in ((latent, "attn"), (indexer, "indexer.k_cache")):
+        names = sorted(name for g in caches for name in g["layers"])
+        assert names == sorted(
+            f"model.layers.{i}.self_attn.{suffix}" for i in range(layers + mtp)
+        )
+        drafts = {name for g in caches if g["draft"] for name in g["layers"]}
+        assert drafts == {f"model.layers.{layers}.self_attn.{suffix}"}
+    rope = config["qk_rope_head_dim"]
+    assert {g["head_size"] for g in latent} == {config["kv_lora_rank"] + rope}
+    assert {g["kv_lora_rank"] for g in latent} == {config["kv_lora_rank"]}
+    assert {g["query_heads"] for g in latent} == {config["num_attention_heads"]}
+    assert {g["topk_buffer_width"] for g in latent} == {config["index_topk"]}
+    # The indexer key and its fp8 scale (4 bytes) per token.
+    assert {g["head_size"] for g in indexer} == {config["index_head_dim"] + 4}
+    assert {g["source"] for g in plan["groups"]} == {"model"}
+    assert {g["shard_count"] for g in plan["groups"]} == {8}
+    assert {g["attention_backend"] for g in plan["groups"]} == {
+        "FLASHMLA_SPARSE",
+        "DEEPSEEK_V32_INDEXER",
+    }
+
+
+@pytest.mark.slow
+def test_qwen3_next_groups_follow_its_config(tmp_path: Path, run_cli_json) -> None:
+    """Qwen3-Next (GDN hybrid) with its MTP layer: every
+    ``full_attention_interval``-th layer is gated attention (DCP-sharded),
+    the others GDN state (recurrent, K = 1), one block size for all."""
+    config = _config("qwen3-next")
+    plan, emitted = _emitted_groups(
+        tmp_path, run_cli_json,
+        "--model", str(MODELS / "qwen3-next"),
+        "--tensor-parallel-size", "4", "--decode-context-parallel-size", "2",
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+    )  # fmt: skip
+    interval = config["full_attention_interval"]
+    full = {i for i in range(config["num_hidden_layers"]) if (i + 1) % interval == 0}
+    by_kind: dict[str, set[str]] = {}
+    for group in emitted.values():
+        by_kind.setdefault(group["kind"], set()).update(group["layers"])
+    assert by_kind["full_attention"] == {
+        *(f"model.layers.{i}.self_attn.attn" for i in full),
+        "mtp.layers.0.self_attn.attn",
+    }
+    assert by_kind["mamba"] == {
+        f"model.layers.{i}.linear_attn"
+        for i in range(config["num_hidden_layers"])
+        if i not in full
+    }
+    attention = [g for g in emitted.values() if g["kind"] == "full_attention"]
+    # Two KV heads over TP4: each rank holds one (replicated).
+    assert {g["num_kv_heads"] for g in attention} == {1}
+    assert {g["head_size"] for g in attention} == {config["head_dim"]}
+    assert {g["query_heads"] for g in attention} == {config["num_attention_heads"]}
+    shard_counts = {g["kind"]: set() for g in plan["groups"]}
+    for group in plan["groups"]:
+        shard_counts[group["kind"]].add(group["shard_count"])
+    assert shard_counts == {"full_attention": {2}, "mamba": {1}}
+    assert len({g["block_size"] for g in plan["groups"]}) == 1
+    assert {g["source"] for g in plan["groups"]} == {"model"}
+
+
+@pytest.mark.slow
+def test_without_the_hybrid_manager_a_gdn_hybrid_is_refused(run_cli) -> None:
+    """``--disable-hybrid-kv-cache-manager`` reaches vLLM's planner, which
+    cannot unify GDN state with attention: start-up's refusal, one line."""
+    code, out, err = run_cli(
+        "plan", "--model", str(MODELS / "qwen3-next"),
+        "--tensor-parallel-size", "4", "--decode-context-parallel-size", "2",
+        "--disable-hybrid-kv-cache-manager",
+    )  # fmt: skip
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "Qwen3NextForCausalLM" in err
+    assert "Failed to promote local KV cache specs to one unified type" in err
