@@ -130,3 +130,11 @@ def test_verbose_shows_the_noise() -> None:
     ]
     # What this torch prints on import; the non-verbose run above hid it.
     assert any("deprecated" in line for line in notes), result.stderr
+
+
+def test_vllms_planner_notes_stay_out_of_the_output() -> None:
+    # vLLM's KV-cache planner logs the padding layers it adds for the default
+    # profile's KDA groups: start-up's log, not the plan (whose rows say it).
+    result = _cli("plan")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr == ""

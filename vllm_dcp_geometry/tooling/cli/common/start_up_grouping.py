@@ -66,9 +66,9 @@ def _declared_layouts(backend_names: set[str]) -> tuple[list[str], list[str]]:
 
 @contextlib.contextmanager
 def _kernel_notes_quiet() -> Iterator[None]:
-    # Backend classes and the config are read, not run: the platform's note
-    # that this machine lacks vLLM's C kernels (``vllm._C``) is not for the
-    # operator.
+    # Backend classes, the config and the planner are read, not run: notes
+    # such as the platform's that this machine lacks vLLM's C kernels
+    # (``vllm._C``) are not for the operator.
     notes = logging.getLogger("vllm")
     level = notes.level
     notes.setLevel(logging.ERROR)
@@ -162,8 +162,11 @@ def start_up_grouping(topology: Topology, backend_names: set[str]) -> dict[str, 
         config = _start_up_config(topology)
         layouts, unread = _declared_layouts(backend_names)
     try:
-        layout = resolve_kv_cache_layout(config, [layouts], specs.values())
-        groups = list(get_global_kv_cache_groups(config, [dict(specs)]))
+        # The planner's notes (padding layers added) are start-up's log, not
+        # the command's output; what they describe is in ``groups``.
+        with _kernel_notes_quiet():
+            layout = resolve_kv_cache_layout(config, [layouts], specs.values())
+            groups = list(get_global_kv_cache_groups(config, [dict(specs)]))
     # Whatever vLLM's planner raises, start-up raises: its own refusals
     # (ValueError, AssertionError, NotImplementedError) and its failures on a
     # mix it does not foresee (a StopIteration over an empty group).
