@@ -213,7 +213,7 @@ def test_recorded_results_are_well_formed_and_current(path: Path) -> None:
     # have changed since, and their old records are history: the default
     # profile was rebuilt from vLLM's model code (20 groups, not the
     # hand-written 17), and the Mamba hybrid took the block sizes start-up
-    # sets for its shapes (1,040, not 64 and 256).
+    # sets for its shapes (2,080, not 64 and 256).
     history = []
     for recorded in doc["memory"]:
         fresh = memory.block_table_memory(load_profile(recorded["profile"]))

@@ -74,7 +74,8 @@ def groups(draw: Any, dcp: int, index: int, mamba_block: int) -> dict[str, Any]:
         head_size=576 if kind == "mla" else draw(st.sampled_from([64, 128])),
     )
     if kind != "mla":
-        group["num_kv_heads"] = draw(st.integers(1, 4))
+        # Under DCP vLLM holds one KV head per rank (TP above the KV heads).
+        group["num_kv_heads"] = draw(st.integers(1, 4)) if dcp == 1 else 1
     if kind == "sliding_window":
         group["sliding_window"] = draw(st.sampled_from([64, 256, 1024]))
         if dcp > 1:

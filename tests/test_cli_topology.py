@@ -97,7 +97,7 @@ kind = "full_attention"
 layer_template = "model.layers.{}.attn"
 layer_ids = [0, 1, 2]
 block_size = 16
-num_kv_heads = 2
+num_kv_heads = 1
 head_size = 64
 dtype = "float16"
 dcp_kv_shard_count = 2
@@ -287,3 +287,25 @@ def test_profile_models_name_the_broken_entry(
     with pytest.raises(TopologyError, match=message) as error:
         files.profile_models()
     assert "model_configs/profiles.toml: [" in str(error.value)
+
+
+def test_more_than_one_kv_head_per_rank_under_dcp_is_refused() -> None:
+    """vLLM 0.33.0's config check: DCP for a GQA/MQA model needs TP above its
+    KV heads, so a rank holds one; an MLA model or a draft is not held to it."""
+    mapping = {
+        "name": "gqa",
+        "parallel": {"tensor_parallel_size": 4, "decode_context_parallel_size": 2},
+        "groups": [attention_group("attn", "l0", num_kv_heads=2)],
+    }
+    with pytest.raises(TopologyError, match=r"group 'attn' has num_kv_heads 2 per"):
+        topology_from_mapping(mapping)
+    mapping["parallel"]["decode_context_parallel_size"] = 1
+    topology_from_mapping(mapping)
+    mapping["parallel"]["decode_context_parallel_size"] = 2
+    mla = {
+        "name": "mla", "kind": "mla", "layers": ["l1"], "block_size": 16,
+        "num_kv_heads": 1, "head_size": 576, "dtype": "bfloat16",
+    }  # fmt: skip
+    topology_from_mapping({**mapping, "groups": [*mapping["groups"], mla]})
+    mapping["groups"][0]["draft"] = True
+    topology_from_mapping(mapping)

@@ -215,6 +215,7 @@ class Topology:
         self._check_group_names(where)
         for group in self.groups:
             self._check_group(group, where)
+        self._check_kv_heads_under_dcp(where)
         self._check_indexer_caches(where)
         if self.replay_tokens is not None:
             REPLAY_TOKENS_RANGE.check(self.replay_tokens, f"{where}: replay tokens")
@@ -318,6 +319,26 @@ class Topology:
                 f"{mode!r} but the cache uses {self.mamba_cache_mode!r} "
                 "(vLLM sizes tables from the cache-wide mode)"
             )
+
+    def _check_kv_heads_under_dcp(self, where: str) -> None:
+        """vLLM 0.33.0 runs DCP for a GQA/MQA model only where TP exceeds the
+        model's total KV heads (``ModelConfig.verify_with_parallel_config``),
+        so each rank holds one KV head (replicated). An MLA model, and a
+        draft (its own config runs at DCP 1), are not held to it."""
+        dcp = self.decode_context_parallel_size
+        targets = [g for g in self.groups if g.is_attention and not g.draft]
+        if dcp == 1 or any(g.kind == "mla" for g in targets):
+            return
+        for group in targets:
+            heads = group.spec_fields.get("num_kv_heads", 1)
+            if heads != 1:
+                raise TopologyError(
+                    f"{where}: group {group.name!r} has num_kv_heads {heads} per "
+                    f"rank at DCP {dcp}, which vLLM 0.33.0 cannot start: DCP for "
+                    "a GQA/MQA model needs --tensor-parallel-size above the "
+                    "model's total KV heads, so every rank holds one KV head; "
+                    "set num_kv_heads = 1 or decode_context_parallel_size = 1"
+                )
 
     def _check_cost_fields(self, group: CacheGroup, where: str) -> None:
         """``query_heads`` split evenly over TP and ``kv_lora_rank`` inside
