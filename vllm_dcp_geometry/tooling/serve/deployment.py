@@ -21,9 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_dcp_geometry.tooling.topology import TopologyError
+from vllm_dcp_geometry.tooling.topology import MODEL_SOURCE, TopologyError
 
-MODEL_SOURCE = "model"
 BUILD_TIMEOUT_S = 900
 
 

@@ -33,7 +33,8 @@ RECURRENT_KINDS = ("mamba",)
 KINDS = ATTENTION_KINDS + RECURRENT_KINDS
 MAMBA_CACHE_MODES = ("none", "align", "all")
 TOPOLOGY_SOURCE = "topology"
-GROUP_SOURCES = ("model", "config", TOPOLOGY_SOURCE)
+MODEL_SOURCE = "model"
+GROUP_SOURCES = (MODEL_SOURCE, "config", TOPOLOGY_SOURCE)
 """Where a group came from: built from vLLM's real layers (``--model``),
 derived from vLLM's model config, or written in a topology file."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import sys
@@ -103,3 +104,19 @@ def third_party_noise_hidden(enabled: bool = True) -> Iterator[None]:
                         warning.lineno,
                     )
             sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def vllm_notes_held_back(enabled: bool = True) -> Iterator[None]:
+    """vLLM's log records below ERROR held back while vLLM objects are read
+    rather than run (the CPU platform's missing ``vllm._C``, config notes,
+    the KV-cache planner's padding notes): nothing the user acts on;
+    ``enabled=False`` (``--verbose``) lets them through."""
+    logger = logging.getLogger("vllm")
+    saved = logger.level
+    if enabled:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)

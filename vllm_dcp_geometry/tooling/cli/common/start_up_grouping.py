@@ -20,16 +20,13 @@ be imported on this machine is named in ``layout_unread``.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 from vllm_dcp_geometry.tooling import vllm_objects
-from vllm_dcp_geometry.tooling.serve.deployment import MODEL_SOURCE
-from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
+from vllm_dcp_geometry.tooling.cli.common.noise import vllm_notes_held_back
+from vllm_dcp_geometry.tooling.topology import MODEL_SOURCE, Topology, TopologyError
 
 DIFFERENCES_SHOWN = 3
 
@@ -62,20 +59,6 @@ def _declared_layouts(backend_names: set[str]) -> tuple[list[str], list[str]]:
         except Exception:
             unread.append(name)
     return [layout.name for layout in get_supported_kv_cache_layouts(classes)], unread
-
-
-@contextlib.contextmanager
-def _kernel_notes_quiet() -> Iterator[None]:
-    # Backend classes, the config and the planner are read, not run: notes
-    # such as the platform's that this machine lacks vLLM's C kernels
-    # (``vllm._C``) are not for the operator.
-    notes = logging.getLogger("vllm")
-    level = notes.level
-    notes.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        notes.setLevel(level)
 
 
 def _start_up_config(topology: Topology) -> Any:
@@ -158,13 +141,14 @@ def start_up_grouping(topology: Topology, backend_names: set[str]) -> dict[str, 
     if topology.source == MODEL_SOURCE:
         return {"checked": False, "reason": "the groups are vLLM's planner's"}
     specs = _layer_specs(topology)
-    with _kernel_notes_quiet():
+    # Backend classes, the config and the planner are read, not run: their
+    # notes (no ``vllm._C`` here, padding layers added) are start-up's log,
+    # and what the planner did is in ``groups``.
+    with vllm_notes_held_back():
         config = _start_up_config(topology)
         layouts, unread = _declared_layouts(backend_names)
     try:
-        # The planner's notes (padding layers added) are start-up's log, not
-        # the command's output; what they describe is in ``groups``.
-        with _kernel_notes_quiet():
+        with vllm_notes_held_back():
             layout = resolve_kv_cache_layout(config, [layouts], specs.values())
             groups = list(get_global_kv_cache_groups(config, [dict(specs)]))
     # Whatever vLLM's planner raises, start-up raises: its own refusals

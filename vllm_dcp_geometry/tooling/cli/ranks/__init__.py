@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 
 from vllm_dcp_geometry.contract.collectives import PARTIAL_COLLECTIVES
 from vllm_dcp_geometry.tooling.cli.common import runs
@@ -46,7 +45,10 @@ from vllm_dcp_geometry.tooling.cli.common.flags import (
     load_topology,
     output_file,
 )
-from vllm_dcp_geometry.tooling.cli.common.noise import third_party_noise_hidden
+from vllm_dcp_geometry.tooling.cli.common.noise import (
+    third_party_noise_hidden,
+    vllm_notes_held_back,
+)
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_baseline, format_report
 from vllm_dcp_geometry.tooling.cli.ranks.run import run_ranks
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
@@ -116,13 +118,8 @@ def import_mla_quietly(verbose: bool) -> None:
         return
     with third_party_noise_hidden():
         importlib.import_module("vllm.logger")
-        vllm_logger = logging.getLogger("vllm")
-        before = vllm_logger.level
-        vllm_logger.setLevel(logging.ERROR)
-        try:
+        with vllm_notes_held_back():
             importlib.import_module(MLA_ATTENTION)
-        finally:
-            vllm_logger.setLevel(before)
 
 
 def check_inputs(topology: Topology) -> None:

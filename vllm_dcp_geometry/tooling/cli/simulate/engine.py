@@ -235,24 +235,6 @@ def build_engine(
 
 
 @contextlib.contextmanager
-def quiet_vllm_config(enabled: bool = True) -> Iterator[None]:
-    """vLLM logs config notes while the engine is built (the CPU platform's
-    missing ``vllm._C``, async scheduling off for ngram drafts, the token
-    budget): nothing a simulation's user acts on, so below ERROR they are
-    held back unless ``--verbose``."""
-    import logging
-
-    logger = logging.getLogger("vllm")
-    saved = logger.level
-    if enabled:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(saved)
-
-
-@contextlib.contextmanager
 def model_directory() -> Iterator[str]:
     """A scratch directory for the generated model config, removed after."""
     path = tempfile.mkdtemp(prefix="vllm-dcp-geometry-simulate-")

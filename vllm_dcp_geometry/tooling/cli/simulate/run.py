@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm_dcp_geometry.contract import virtual_block_size
 from vllm_dcp_geometry.tooling import vllm_objects
+from vllm_dcp_geometry.tooling.cli.common.noise import vllm_notes_held_back
 from vllm_dcp_geometry.tooling.cli.common.runs import progress_bar, replay_tokens
 from vllm_dcp_geometry.tooling.cli.simulate.checks import Checker
 from vllm_dcp_geometry.tooling.cli.simulate.engine import (
@@ -30,7 +31,6 @@ from vllm_dcp_geometry.tooling.cli.simulate.engine import (
     make_request,
     model_directory,
     model_runner_choice,
-    quiet_vllm_config,
 )
 from vllm_dcp_geometry.tooling.cli.simulate.kernels import (
     CROSS_CHECK_EVERY,
@@ -296,7 +296,7 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
     dcp = topology.decode_context_parallel_size
     started = time.perf_counter()
     with model_runner_choice(options.runner), model_directory() as model_dir:
-        with quiet_vllm_config(not options.verbose):
+        with vllm_notes_held_back(not options.verbose):
             engine = build_engine(
                 topology,
                 workload,
