@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Attention features vLLM 0.33.0's FlashAttention DCP path drops:
+"""Attention features a backend's DCP path does not keep. vLLM 0.33.0's
 ``FlashAttentionImpl._forward_with_dcp`` passes neither ``s_aux`` (attention
 sinks, gpt-oss's full layers) nor a ``mask_mod`` (R-SWA, multimodal prefix)
-to its kernels. Every K > 1 (K = D included) on a layer using one is refused
-at start-up, naming layer, feature and backend; K = 1 runs the single-device
-path, which keeps them. Built on vLLM's real layer, impl and builder objects,
-each feature set as the model sets it."""
+to its kernels; the plugin folds the sinks into it (rule A7, numerics in
+``test_attention_sinks``), so every K is admitted for them, while every K > 1
+(K = D included) on a layer using a mask_mod is refused at start-up, naming
+layer, feature and backend. FlashInfer's DCP path keeps no sinks, so they are
+refused there. K = 1 runs the single-device path, which keeps all of them.
+Built on vLLM's real layer, impl and builder objects, each feature set as the
+model sets it."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from tests.support.attention import (
     tiny_model_config,
 )
 from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.patches.worker.utils import admit_attention_group
 
 pytestmark = pytest.mark.patches("worker.utils", "worker.flash_attn")
 
@@ -39,8 +43,11 @@ def _group(
     *,
     sinks: bool = False,
     configure: Callable[[Any], None] | None = None,
+    backend: Any = None,
 ) -> Any:
-    """A FlashAttention group at D = 4 over one real ``Attention`` layer."""
+    """A FlashAttention (or ``backend``) group at D = 4 over one real
+    ``Attention`` layer, its builders made as start-up makes them (for
+    another backend, only admitted: FlashInfer's builder needs CUDA)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backends import flash_attn
@@ -52,6 +59,7 @@ def _group(
     monkeypatch.setattr(
         flash_attn, "flash_attn_supports_sinks", lambda: True, raising=False
     )
+    backend = backend or FlashAttentionBackend
     vllm_config = tiny_model_config(4, 1)
     if configure is not None:
         configure(vllm_config)
@@ -64,11 +72,14 @@ def _group(
             HEAD_SIZE**-0.5,
             1,
             prefix=LAYER,
-            attn_backend=FlashAttentionBackend,
+            attn_backend=backend,
             sinks=torch.zeros(1) if sinks else None,
         )
-    group = AttentionGroup(FlashAttentionBackend, [LAYER], spec, 0)
-    group.create_metadata_builders(vllm_config, torch.device("cpu"))
+    group = AttentionGroup(backend, [LAYER], spec, 0)
+    if backend is FlashAttentionBackend:
+        group.create_metadata_builders(vllm_config, torch.device("cpu"))
+    else:
+        admit_attention_group(group, vllm_config)
     return group
 
 
@@ -91,7 +102,6 @@ REPLICATED = dataclasses.replace(SHARDED, dcp_sharded=False)
 @pytest.mark.parametrize(
     ("feature", "kwargs", "words"),
     [
-        ("sinks", {"sinks": True}, "attention sinks (s_aux)"),
         ("rswa", {"configure": _arch(rswa_window=64)}, "the R-SWA mask_mod"),
         (
             "mm_prefix",
@@ -109,7 +119,7 @@ def test_a_dropped_feature_is_refused_for_every_k_above_1(
         message = str(excinfo.value)
         assert message.startswith(f"KV-cache group 0 ({LAYER}): layer {LAYER} ")
         assert f"attention backend FLASH_ATTN, K={k}, D=4" in message, feature
-        assert f"drops {words}" in message
+        assert f"does not keep {words}" in message
     # Replicated: FlashAttention's single-device path, which keeps it.
     (builder,) = _group(monkeypatch, REPLICATED, **kwargs).metadata_builders
     assert (builder.dcp_world_size, builder.dcp_rank) == (1, 0)
@@ -123,13 +133,57 @@ def test_a_layer_without_them_keeps_vllms_path(monkeypatch: pytest.MonkeyPatch) 
     assert (builder.dcp_world_size, builder.dcp_rank) == (4, 1)
 
 
+@pytest.mark.usefixtures("cpu_platform")
+def test_sinks_are_admitted_on_flash_attention_at_every_k(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plugin folds sinks into FlashAttention's DCP path (rule A7): a
+    layer with sinks starts at K = D on vLLM's own builder, at 1 < K < D on
+    the plugin's, and at K = 1 on the single-device one."""
+    for spec, world in ((SHARDED, (4, 1)), (PARTIAL, (2, 1)), (REPLICATED, (1, 0))):
+        (builder,) = _group(monkeypatch, spec, sinks=True).metadata_builders
+        assert (builder.dcp_world_size, builder.dcp_rank) == world
+
+
+@pytest.mark.usefixtures("cpu_platform")
+def test_sinks_are_refused_on_flashinfer_above_k_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FlashInfer's DCP prefill wrapper raises on sinks at the first step
+    and its TRTLLM decode counts them on every rank's partial: K > 1 is
+    refused before any builder is made; without sinks the group is admitted."""
+    from vllm.v1.attention.backends import flashinfer
+
+    # FlashInferImpl asks the GPU for TRTLLM support and sizes a device
+    # buffer; this CPU stands in for a GPU without TRTLLM.
+    for name, stand_in in (
+        ("can_use_trtllm_attention", lambda *args, **kwargs: False),
+        ("get_device_sm_count", lambda device: 1),
+        ("get_trtllm_gen_multi_ctas_kv_counter_bytes", lambda *args: 0),
+        ("_get_multi_ctas_kv_counter_buffer", lambda *args: None),
+    ):
+        monkeypatch.setattr(flashinfer, name, stand_in)
+    FlashInferBackend = flashinfer.FlashInferBackend
+    for spec, k in ((SHARDED, 4), (PARTIAL, 2)):
+        with pytest.raises(DcpGeometryError) as excinfo:
+            _group(monkeypatch, spec, sinks=True, backend=FlashInferBackend)
+        message = str(excinfo.value)
+        assert f"attention backend FLASHINFER, K={k}, D=4" in message
+        assert "does not keep attention sinks (s_aux)" in message
+    _group(monkeypatch, REPLICATED, sinks=True, backend=FlashInferBackend)
+    _group(monkeypatch, SHARDED, backend=FlashInferBackend)
+
+
 def test_vllms_dcp_path_still_drops_them() -> None:
     """Pinned on vLLM's source: the DCP path passes no ``s_aux`` or
     ``mask_mod``, the single-device path passes both. When vLLM fixes its
-    DCP path this fails, and ``DCP_DROPPED_FEATURES`` can shrink."""
+    DCP path this fails: the sink fold can go, and ``DCP_DROPPED_FEATURES``
+    can shrink. The installed DCP path is the plugin's sink-folding wrapper."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-    from vllm_dcp_geometry.runtime.patching import original_of
+    from vllm_dcp_geometry.runtime.patching import ORIGINAL_ATTR, original_of
+
+    assert hasattr(FlashAttentionImpl._forward_with_dcp, ORIGINAL_ATTR)
 
     dcp_path = inspect.getsource(original_of(FlashAttentionImpl._forward_with_dcp))
     forward = inspect.getsource(original_of(FlashAttentionImpl.forward))
@@ -142,6 +196,7 @@ def test_vllms_dcp_path_still_drops_them() -> None:
 
 
 def test_plan_refuses_what_start_up_refuses(tmp_path: Path, capsys) -> None:
+    """Sinks: FlashAttention admits them at K = D, FlashInfer refuses."""
     from vllm_dcp_geometry.tooling.cli import main
 
     topology = tmp_path / "sinks.toml"
@@ -152,8 +207,9 @@ def test_plan_refuses_what_start_up_refuses(tmp_path: Path, capsys) -> None:
         f"block_size = 16\nnum_kv_heads = 1\nhead_size = {HEAD_SIZE}\n"
         'dtype = "float32"\nattention_features = ["sinks"]\n'
     )
-    assert main(["plan", "-t", str(topology)]) == 2
+    assert main(["plan", "-t", str(topology), "--attention-backend", "FLASHINFER"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "drops attention sinks (s_aux)" in err
+    assert "does not keep attention sinks (s_aux)" in err
+    assert "attention backend FLASHINFER, K=4, D=4" in err
     assert err.startswith(f"vllm-dcp-geometry: error: KV-cache group 0 ({LAYER})")
-    assert main(["plan", "-t", str(topology), "--attention-backend", "FLASHINFER"]) == 0
+    assert main(["plan", "-t", str(topology)]) == 0

@@ -16,7 +16,7 @@ from vllm_dcp_geometry.contract import (
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "contract.md"
-RULE = re.compile(r"\b(R[1-7]|W[1-3]|M1|S1|L[1-3]|A[1-6]|DR1|P1|C1)\b")
+RULE = re.compile(r"\b(R[1-7]|W[1-3]|M1|S1|L[1-3]|A[1-7]|DR1|P1|C1)\b")
 
 
 def _doc_rules() -> set[str]:

@@ -40,6 +40,8 @@ def test_the_model_profiles_and_their_models() -> None:
     assert models == {
         DEFAULT_PROFILE: "kimi-k3",
         "deepseek-v32-tp8-dcp8": "deepseek-v32",
+        "gpt-oss-tp32-dcp4": "gpt-oss",
+        "gpt-oss-tp64-dcp8": "gpt-oss",
     }
 
 
@@ -114,6 +116,8 @@ def test_profiles_check_exits_1_on_drift(
     checks = json.loads(capsys.readouterr().out)["checks"]
     assert [(c["name"], c["drift"]) for c in checks] == [
         ("deepseek-v32-tp8-dcp8", []),
+        ("gpt-oss-tp32-dcp4", []),
+        ("gpt-oss-tp64-dcp8", []),
         (DEFAULT_PROFILE, []),
     ]
     wrong = dataclasses.replace(built[DEFAULT_PROFILE], max_model_len=2_000_000)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.attention import cpu_platform  # noqa: F401
 from vllm_dcp_geometry.tooling.cli import main
 from vllm_dcp_geometry.tooling.topology import (
     TopologyError,
@@ -179,17 +180,90 @@ def test_kimi_k3_with_its_dspark_draft_on_their_own_backends(run_cli_json) -> No
 
 
 @pytest.mark.slow
-def test_gpt_oss_under_dcp_is_refused_by_vllms_own_model_code(run_cli) -> None:
-    """vLLM 0.33.0 needs TP above gpt-oss's 8 KV heads for DCP, and its
-    gpt-oss layer floor-divides the KV heads by TP: start-up would fail
-    building the model, and plan says so (exit 2, one line)."""
-    code, _, err = run_cli(
-        "plan", "--model", str(MODELS / "gpt-oss"),
-        "--tensor-parallel-size", "16", "--decode-context-parallel-size", "2",
+@pytest.mark.slow
+@pytest.mark.patches("worker.gpt_oss_attention", "worker.flash_attn")
+def test_gpt_oss_runs_under_dcp_with_its_sliding_layers_replicated(
+    tmp_path: Path, run_cli, run_cli_json
+) -> None:
+    """gpt-oss at TP32/DCP4 (TP above its 8 KV heads, as vLLM's DCP check
+    needs): vLLM 0.33.0's layer divides its KV heads by TP (0 per rank); the
+    plugin's layer keeps the one its QKV projection replicates. Its sharded
+    sliding-window layers are refused as start-up refuses them; replicated,
+    they run locally and the full layers, sinks and all, run DCP."""
+    model = ("--model", str(MODELS / "gpt-oss"))
+    flags = (
+        "--tensor-parallel-size", "32", "--decode-context-parallel-size", "4",
+        "--max-model-len", "131072",
     )  # fmt: skip
+    code, _, err = run_cli("plan", *model, *flags)
     assert code == 2
-    assert len(err.strip().splitlines()) == 1
-    assert "GptOssForCausalLM" in err and "refuses this configuration" in err
+    assert "'g0' is a sliding-window cache sharded over DCP (D=4)" in err
+    replicated = '{"dcp_geometry": {"layers": {"model.layers.*[02468].attn.attn": 1}}}'
+    plan, emitted = _emitted_groups(
+        tmp_path, run_cli_json, *model, *flags, "--additional-config", replicated
+    )
+    config = _config("gpt-oss")
+    by_kind = {g["kind"]: g for g in plan["groups"]}
+    sliding, full = by_kind["sliding_window"], by_kind["full_attention"]
+    assert (sliding["shard_count"], sliding["attention_mode"]) == (1, "local")
+    assert (full["shard_count"], full["attention_mode"]) == (4, "dcp")
+    for group in (sliding, full):
+        assert group["source"] == "model"
+        assert group["num_layers"] == config["num_hidden_layers"] // 2
+        fields = emitted[group["name"]]
+        # One KV head per rank, the QKV projection's replica (not 8 // 32).
+        assert fields["num_kv_heads"] == 1
+        assert fields["head_size"] == config["head_dim"]
+        assert fields["attention_features"] == ["sinks"]
+    assert emitted[sliding["name"]]["sliding_window"] == config["sliding_window"]
+    assert (
+        plan["totals"]["without_dcp"]["kv_bytes_per_request_per_rank"]
+        > (plan["totals"]["kv_bytes_per_request_per_rank"])
+    )
+
+
+@pytest.mark.patches("worker.gpt_oss_attention")
+@pytest.mark.usefixtures("cpu_platform")
+def test_gpt_oss_layer_keeps_the_projections_kv_heads() -> None:
+    """The wrapper hands back to upstream's hook where the counts agree or
+    DCP is off, and otherwise sets the layer's count and K/V split width
+    from its QKV projection before the hook builds the ``Attention``."""
+    import types
+
+    from vllm.model_executor.models.gpt_oss import OAIAttention
+
+    from vllm_dcp_geometry.patches.worker import gpt_oss_attention
+    from vllm_dcp_geometry.runtime.patching import ORIGINAL_ATTR
+
+    assert hasattr(OAIAttention._build_attention, ORIGINAL_ATTR)
+    seen = []
+    build = gpt_oss_attention._make_build_attention(
+        lambda layer, *args: seen.append(
+            (layer.num_local_key_value_heads, layer.kv_size)
+        )
+    )
+    for dcp, held, expected in ((4, 1, (1, 64)), (1, 1, (0, 0)), (4, 0, (0, 0))):
+        layer = types.SimpleNamespace(
+            qkv_proj=types.SimpleNamespace(num_kv_heads=held),
+            num_local_key_value_heads=0,
+            kv_size=0,
+            head_dim=64,
+        )
+        with _dcp_world_size(dcp):
+            build(layer, None, None, None, "model.layers.1.attn")
+        assert seen.pop() == expected, (dcp, held)
+
+
+def _dcp_world_size(dcp: int):
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+
+    return set_current_vllm_config(
+        VllmConfig(
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=dcp, decode_context_parallel_size=dcp
+            )
+        )
+    )
 
 
 def _config(model: str) -> dict:

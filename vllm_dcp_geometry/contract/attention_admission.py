@@ -214,12 +214,13 @@ def admit_attention(
 def _dropped_features_refusal(
     head: str, backend: str | None, dropped: list[str]
 ) -> AttentionAdmission:
-    """K > 1 on a backend whose DCP path drops features the layer uses."""
+    """K > 1 on a backend whose DCP path does not keep features the layer
+    uses."""
     return _refusal(
         head,
-        f"its DCP attention path drops "
+        f"its DCP attention path does not keep "
         f"{', '.join(ATTENTION_FEATURES[f] for f in dropped)}, which the layer "
-        "uses: the output would be silently wrong",
+        "uses: the output would be wrong",
         f"use K=1 ('replicated') for this layer (its single-device {backend} "
         "path keeps them) or another backend",
     )

@@ -197,14 +197,18 @@ ATTENTION_FEATURES = {
 by the name topologies use (``attention_features``)."""
 
 DCP_DROPPED_FEATURES: dict[str, frozenset[str]] = {
-    # FlashAttentionImpl._forward_with_dcp passes neither s_aux nor mask_mod
-    # to its kernels (it keeps ALiBi, the sliding window and the soft-cap);
-    # K = 1 runs the single-device path, which passes them.
-    "FLASH_ATTN": frozenset(ATTENTION_FEATURES),
+    # FlashAttentionImpl._forward_with_dcp passes no mask_mod to its kernels
+    # (it keeps ALiBi, the sliding window and the soft-cap; the plugin folds
+    # sinks into it, rule A7); K = 1 runs the single-device path, which
+    # passes them.
+    "FLASH_ATTN": frozenset({"rswa_mask", "mm_prefix_mask"}),
+    # FlashInfer's DCP prefill wrapper raises on sinks at the first step, and
+    # its TRTLLM decode hands the sinks to every rank's partial attention, so
+    # the combine counts them once per rank.
+    "FLASHINFER": frozenset({"sinks"}),
 }
 """Features each backend's DCP attention path (every K > 1, K = D included)
-silently drops. FlashInfer refuses sinks under DCP itself (outside TRTLLM)
-and no other feature here reaches it; vLLM's dense MLA has none of them."""
+does not keep, with the plugin installed; vLLM's dense MLA has none of them."""
 
 
 INTERLEAVE_ONE_ONLY_BACKENDS = frozenset({"FLASHINFER_MLA"})

@@ -40,6 +40,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.worker.utils",
     "vllm_dcp_geometry.patches.worker.flash_attn",
     "vllm_dcp_geometry.patches.worker.flashinfer",
+    "vllm_dcp_geometry.patches.worker.gpt_oss_attention",
     "vllm_dcp_geometry.patches.worker.mla_dcp_manager",
     "vllm_dcp_geometry.patches.worker.mla_attention",
     "vllm_dcp_geometry.patches.worker.kimi_k3_mla",

@@ -132,10 +132,14 @@ def group_layer_facts(
     """The facts of the first layer of each (class, features) in the group;
     a layer missing from the forward context is named as such (no taught
     class, so only vLLM's K runs). Features are read only for a backend
-    whose DCP path drops some (``DCP_DROPPED_FEATURES``)."""
+    whose DCP path does not keep them (``DCP_DROPPED_FEATURES``)."""
     context = vllm_config.compilation_config.static_forward_context
     model_features: frozenset[str] = frozenset()
-    if backend in DCP_DROPPED_FEATURES:
+    # FlashAttentionImpl and FlashInferImpl always set ``sinks``; a layer
+    # without an impl (Inkling) has none to drop.
+    dropped = DCP_DROPPED_FEATURES.get(backend, frozenset())
+    reads_sinks = "sinks" in dropped
+    if dropped - {"sinks"}:
         model_features = model_attention_features(vllm_config)
     seen: dict[tuple[str, frozenset[str]], LayerFacts] = {}
     for name in layer_names:
@@ -145,10 +149,8 @@ def group_layer_facts(
         else:
             impl = getattr(layer, "impl", None)
             features = set(model_features)
-            # FlashAttentionImpl always sets ``sinks``; a layer without an
-            # impl (Inkling) has none to drop.
-            reads_sinks = backend in DCP_DROPPED_FEATURES and impl is not None
-            if reads_sinks and impl.sinks is not None:  # type: ignore[union-attr]
+            # Read without a default: a rename fails loudly.
+            if reads_sinks and impl is not None and impl.sinks is not None:
                 features.add("sinks")
             facts = LayerFacts(
                 name,

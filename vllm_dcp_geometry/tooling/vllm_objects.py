@@ -15,6 +15,7 @@ baselines in a fresh process.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -218,6 +219,21 @@ def sizing_config(
         cache_config=cache,
         model_config=SimpleNamespace(max_model_len=topology.max_model_len),
         max_in_flight_tokens=max_num_batched_tokens,
+    )
+
+
+def without_dcp(config: SizingConfig) -> SizingConfig:
+    """``config`` as the same layout would be without DCP (D = 1, the same
+    TP): what a group costs when every rank holds every position."""
+    from vllm.config import ParallelConfig
+
+    parallel = config.parallel_config
+    return dataclasses.replace(
+        config,
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            decode_context_parallel_size=1,
+        ),
     )
 
 

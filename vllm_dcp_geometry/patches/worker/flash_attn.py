@@ -32,30 +32,46 @@ Why: vLLM 0.33.0 takes (D, r) or (1, 0) from the boolean ``dcp_sharded``, and
 its impls take the global D; a partial group would read a K-sharded cache with
 D-shard lengths, and a replicated target group would skip its cached context.
 
-Where K > 1 (K = D included) the layers must not use what the DCP path,
-``FlashAttentionImpl._forward_with_dcp``, drops: attention sinks and the
+It also wraps ``FlashAttentionImpl._forward_with_dcp``, the DCP path every
+K > 1 runs (vLLM's own K = D included), which hands its kernels no ``s_aux``:
+for a layer with attention sinks, the module's ``flash_attn_varlen_func``
+becomes (once) a ``SinkFoldingKernel``, which during that layer's call, on
+that thread, folds the sinks into the new-token attention (the call whose
+keys are the step's own) and passes the context attention over the rank's
+shard through untouched, so the sinks enter the merged softmax exactly once
+(rule A7). Folding needs only the
+kernel's (out, LSE) contract, the one the path's merge already relies on,
+where ``s_aux`` would also need the kernel's LSE to count the sink (which no
+CPU check can show). A layer without sinks goes straight to upstream.
+
+Where K > 1 the layers must still not use what the DCP path drops: the
 R-SWA / multimodal-prefix mask_mods. Admission refuses them (for vLLM's own
 K = D after the upstream constructor ran), naming layer, feature and backend;
 K = 1 runs the single-device path, which keeps them.
 
 Hand-back: D == 1, or K equal to vLLM's own per-spec choice, runs the upstream
 constructor untouched (a replicated group still gets local impls; a K = D
-group is then admitted for the features above).
+group is then admitted for the features above); D == 1 never reaches the
+DCP path.
 
 Remove when: upstream FlashAttention takes a per-group shard count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
+from vllm_dcp_geometry.runtime.attention_sinks import sink_folding_kernel
 from vllm_dcp_geometry.runtime.metadata_builders import (
     BuilderTeaching,
     builder_init,
     group_world_getter,
 )
 from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
+from vllm_dcp_geometry.runtime.upstream_symbols import require_global_call
 
 
 def _scale_gathered_heads(
@@ -70,10 +86,33 @@ BUILDER_TEACHING = BuilderTeaching(
     mla=False,
     construct_in_group=lambda geometry: not geometry.matches_default,
     finish=_scale_gathered_heads,
-    # vLLM's own K = D: its DCP path still drops sinks and mask_mods, which
+    # vLLM's own K = D: its DCP path still drops the mask_mods, which
     # admission refuses for the layers using them.
     admit_vllm_default=True,
 )
+
+
+def _make_forward_with_dcp(
+    original: Callable[..., Any], module: ModuleType
+) -> Callable[..., Any]:
+    def _forward_with_dcp(
+        self: Any, query: Any, key: Any, *args: Any, **kw: Any
+    ) -> Any:
+        sinks = self.sinks
+        if sinks is None:
+            return original(self, query, key, *args, **kw)
+        kernel = sink_folding_kernel(module, "flash_attn_varlen_func")
+        with kernel.folding(key, sinks):
+            return original(self, query, key, *args, **kw)
+
+    return _forward_with_dcp
+
+
+def apply(module: ModuleType) -> None:
+    # The path must reach its kernels through the module global rebound above.
+    require_global_call(
+        module, "FlashAttentionImpl._forward_with_dcp", "flash_attn_varlen_func"
+    )
 
 
 PATCH = Patch(
@@ -91,6 +130,14 @@ PATCH = Patch(
             "self, kv_cache_spec, layer_names, vllm_config, device",
             builder_init(BUILDER_TEACHING),
         ),
+        # Attention sinks folded into the DCP path's new-token attention.
+        Wrap(
+            "FlashAttentionImpl._forward_with_dcp",
+            "self, query, key, value, key_cache, value_cache, output, "
+            "attn_metadata, q_descale=, k_descale=, v_descale=",
+            _make_forward_with_dcp,
+            with_module=True,
+        ),
     ),
     relies_on=(
         # The single-device path keeps sinks and mask_mods (admission lets K = 1
@@ -106,15 +153,19 @@ PATCH = Patch(
             "self, *, aot_schedule, batch_size, cu_query_lens, max_query_len, "
             "seqlens, max_seq_len, causal, max_num_splits",
         ),
-        Pin("FlashAttentionImpl._forward_with_dcp"),
     ),
     why=(
         "FlashAttention builders take DCP (D, r) from the boolean dcp_sharded and "
         "impls take the global D; partial and replicated groups need (K, r % K), "
-        "local attention for K = 1 and an exact LSE combine for 1 < K < D."
+        "local attention for K = 1 and an exact LSE combine for 1 < K < D; the "
+        "DCP path runs its kernels without the layer's attention sinks."
     ),
-    remove_when="upstream FlashAttention takes a per-group DCP shard count",
+    remove_when=(
+        "upstream FlashAttention takes a per-group DCP shard count and passes "
+        "sinks on its DCP path"
+    ),
     related=(
         "vllm#48392 (dense drafts: the DCP query all-gather needs replicated KV heads)"
     ),
+    apply=apply,
 )

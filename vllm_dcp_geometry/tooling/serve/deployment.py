@@ -118,11 +118,15 @@ def _cost_fields(module: Any, kind: str, tp: int) -> dict[str, Any]:
 
 
 def _group_entries(vllm_config: Any, layers: Sequence[Any], groups: Sequence[Any]):
-    from vllm_dcp_geometry.runtime.worker_admission import group_layer_facts
+    from vllm_dcp_geometry.runtime.worker_admission import (
+        group_layer_facts,
+        model_attention_features,
+    )
 
     by_name = {layer.name: layer for layer in layers}
     context = vllm_config.compilation_config.static_forward_context
     tp = vllm_config.parallel_config.tensor_parallel_size
+    model_features = model_attention_features(vllm_config)
     for index, group in enumerate(groups):
         split: dict[Any, list[Any]] = {}
         for name in group.layer_names:
@@ -134,9 +138,16 @@ def _group_entries(vllm_config: Any, layers: Sequence[Any], groups: Sequence[Any
             first = members[0]
             kind = _spec_kind(first.spec, first.name)
             names = [m.name for m in members]
+            # What the layers use, whatever this backend keeps: the topology
+            # must answer for any backend it is planned on.
             features: set[str] = set()
-            for facts in group_layer_facts(vllm_config, names, first.backend):
-                features |= facts.features
+            if kind != "mamba":
+                features |= model_features
+                for facts in group_layer_facts(vllm_config, names, first.backend):
+                    features |= facts.features
+                impls = [getattr(context[n], "impl", None) for n in names]
+                if any(getattr(impl, "sinks", None) is not None for impl in impls):
+                    features.add("sinks")
             entry: dict[str, Any] = {
                 "name": f"g{index}" if len(split) == 1 else f"g{index}.{part}",
                 "kind": kind,

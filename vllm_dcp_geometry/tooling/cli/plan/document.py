@@ -155,6 +155,10 @@ def _plan_group(
         **common,
     )
     upstream["attention_shard_count"] = upstream_read_shard_count(spec, dcp)
+    # At D = 1 the patched and unpatched rules are the same (byte-identical).
+    pages_without_dcp = vllm_objects.pages_per_request(
+        spec, vllm_objects.without_dcp(config), upstream=True
+    )
     attention = group_attention(group, index, spec, topology, attention_backend)
     return {
         "name": group.name,
@@ -173,6 +177,12 @@ def _plan_group(
         **group_cost(group, topology, attention, k),
         "upstream": upstream,
         "delta": _delta(patched, upstream),
+        "without_dcp": {
+            "pages_per_request": pages_without_dcp,
+            "kv_bytes_per_request_per_rank": len(group.layers)
+            * pages_without_dcp
+            * spec.page_size_bytes,
+        },
     }
 
 
@@ -209,6 +219,10 @@ def build_plan(
     totals = _totals(groups)
     upstream_totals = _totals([g["upstream"] for g in groups])
     totals["upstream"] = upstream_totals
+    totals["without_dcp"] = {
+        key: sum(g["without_dcp"][key] for g in groups)
+        for key in ("pages_per_request", "kv_bytes_per_request_per_rank")
+    }
     totals["delta"] = _delta(totals, upstream_totals)
     totals["scheduler_block_size"] = scheduler_block_size(
         g["virtual_block_size"] for g in groups

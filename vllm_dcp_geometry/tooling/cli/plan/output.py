@@ -243,9 +243,27 @@ def _totals_lines(plan: dict[str, Any]) -> list[str]:
         f"bytes in {totals['pages_per_request']:,} pages (0.33.0: "
         f"{up_totals['kv_bytes_per_request_per_rank']:,} bytes in "
         f"{up_totals['pages_per_request']:,} pages)",
+        *_capacity_lines(plan),
         "differs from 0.33.0 in: " + ", ".join(changed)
         if changed
         else "identical to unpatched vLLM 0.33.0 for this input",
+    ]
+
+
+def _capacity_lines(plan: dict[str, Any]) -> list[str]:
+    """What DCP buys: max-length requests per rank's KV memory against the
+    same layout at D = 1."""
+    dcp = plan["inputs"]["decode_context_parallel_size"]
+    totals = plan["totals"]
+    here = totals["kv_bytes_per_request_per_rank"]
+    alone = totals["without_dcp"]["kv_bytes_per_request_per_rank"]
+    if dcp == 1 or here == 0:
+        return []
+    length = plan["inputs"]["max_model_len"]
+    return [
+        f"without DCP (D=1, same TP): {alone:,} bytes per request per rank; "
+        f"DCP={dcp} holds {alone / here:.2f}x the {length:,}-token requests "
+        "in the same KV memory"
     ]
 
 
