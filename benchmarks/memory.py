@@ -122,9 +122,16 @@ def block_table_memory(topology: Topology) -> dict[str, Any]:
     return result
 
 
+def is_windowed(group: Any) -> bool:
+    """A sliding-window group: a bounded number of pages per request, which
+    vLLM 0.33.0 cannot shard over DCP."""
+    return group.kind == "sliding_window" or "sliding_window" in group.spec_fields
+
+
 def scenario_shard_count(group: Any, dcp: int, scenario: str) -> int:
-    """K of a group in a capacity scenario; recurrent state is always 1."""
-    if not group.is_attention or dcp == 1:
+    """K of a group in a capacity scenario; recurrent state and sliding
+    windows are always 1."""
+    if not group.is_attention or dcp == 1 or is_windowed(group):
         return 1
     if scenario == "configured":
         return int(group.shard_count(dcp))
@@ -166,13 +173,7 @@ def kv_capacity(
             layers = len(group.layers)
             k = scenario_shard_count(group, dcp, scenario)
             shard_counts[group.name] = k
-            if group.is_attention:
-                if group.kind == "sliding_window" or "sliding_window" in (
-                    group.spec_fields
-                ):
-                    raise NotImplementedError(
-                        f"group {group.name!r}: sliding windows are not modelled"
-                    )
+            if group.is_attention and not is_windowed(group):
                 pages = full_attention_pages_per_request(
                     request_tokens, group.block_size, k
                 )
@@ -182,6 +183,7 @@ def kv_capacity(
                     / virtual_block_size(group.block_size, k)
                 )
             else:
+                # Per request, not per token: vLLM's own rule.
                 pages = _vllm.pages_per_request(spec, config)
             request_bytes += layers * pages * spec.page_size_bytes
         out[scenario] = {

@@ -35,6 +35,20 @@ def v2_on_cpu() -> Iterator[None]:
         undo()
 
 
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]):
+    """``run_cli(*args)``: the command line in this process, its exit
+    status, stdout and stderr."""
+    from vllm_dcp_geometry.tooling.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(list(args))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
 PATCH_PACKAGE = "vllm_dcp_geometry.patches."
 
 

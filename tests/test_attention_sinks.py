@@ -112,8 +112,10 @@ def test_a_changed_kernel_contract_fails_loudly() -> None:
             folding(k=keys, out=out)
         _, lse = folding(k=keys, out=out, return_softmax_lse=True)
     copying = SinkFoldingKernel(lambda **_: (torch.ones(1, 1, 1), torch.zeros(1, 1)))
-    with copying.folding(keys, torch.zeros(1)):
-        with pytest.raises(UpstreamChangedError, match="out="):
-            copying(k=keys, out=torch.ones(1, 1, 1), return_softmax_lse=True)
+    with (
+        copying.folding(keys, torch.zeros(1)),
+        pytest.raises(UpstreamChangedError, match="out="),
+    ):
+        copying(k=keys, out=torch.ones(1, 1, 1), return_softmax_lse=True)
     assert lse.item() == pytest.approx(math.log(2))
     assert out.item() == pytest.approx(0.5)

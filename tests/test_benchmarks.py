@@ -104,7 +104,7 @@ def test_kv_capacity_uses_vllm_pages_and_the_contract(name: str) -> None:
         spec = _vllm.build_spec(group, sized, patched=True)
         # vLLM's own per-request rule (patched: K-aware) for K as configured.
         pages = _vllm.pages_per_request(spec, config)
-        if group.is_attention:
+        if group.is_attention and not memory.is_windowed(group):
             k = group.shard_count(dcp)
             assert pages == cdiv(cdiv(result["request_tokens"], k), group.block_size)
         expected_bytes += len(group.layers) * pages * spec.page_size_bytes
@@ -122,7 +122,7 @@ def test_kv_capacity_uses_vllm_pages_and_the_contract(name: str) -> None:
         <= sharded["max_concurrent_requests"]
     )
     for group in sized.groups:
-        if not group.is_attention:
+        if not group.is_attention or memory.is_windowed(group):
             assert {
                 s["shard_counts"][group.name] for s in (replicated, sharded, configured)
             } == {1}

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests.support.attention import cpu_platform  # noqa: F401
-from vllm_dcp_geometry.tooling.cli import main
 from vllm_dcp_geometry.tooling.topology import (
     TopologyError,
     model_configs_dir,
@@ -20,18 +19,6 @@ from vllm_dcp_geometry.tooling.topology import (
 )
 
 MODELS = model_configs_dir()
-
-
-@pytest.fixture
-def run_cli(capsys: pytest.CaptureFixture[str]):
-    """``main(args)``: its exit status, standard output and error."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
-        captured = capsys.readouterr()
-        return code, captured.out, captured.err
-
-    return run
 
 
 @pytest.fixture

@@ -57,8 +57,14 @@ def _require_sinks() -> None:
 def test_compiled_flash_attention_keeps_the_sinks(
     monkeypatch: pytest.MonkeyPatch, dcp: int, shard_count: int, requests: str
 ) -> None:
-    from tests.support.sinks import FIRST_CHUNKS, GPU, MIXED, make_batch
-    from tests.support.sinks import max_error, run_ranks
+    from tests.support.sinks import (
+        FIRST_CHUNKS,
+        GPU,
+        MIXED,
+        make_batch,
+        max_error,
+        run_ranks,
+    )
 
     _require_sinks()
     base = MIXED if requests == "mixed" else FIRST_CHUNKS

@@ -184,7 +184,10 @@ def max_error(
     """The largest error of any rank's output for its own heads."""
     expected = reference(batch, setup, sinks=sinks)
     return max(
-        (out.double().cpu() - expected[:, r * HEADS : (r + 1) * HEADS]).abs().max().item()
+        (out.double().cpu() - expected[:, r * HEADS : (r + 1) * HEADS])
+        .abs()
+        .max()
+        .item()
         for r, out in enumerate(outputs)
     )
 
@@ -301,7 +304,9 @@ def run_ranks(
         slot_mapping=on_device(torch.zeros(num_tokens, dtype=torch.int64)),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
-    new_keys = torch.cat([k[c:] for k, (c, _) in zip(batch.keys, requests, strict=True)])
+    new_keys = torch.cat(
+        [k[c:] for k, (c, _) in zip(batch.keys, requests, strict=True)]
+    )
     new_values = torch.cat(
         [v[c:] for v, (c, _) in zip(batch.values, requests, strict=True)]
     )
@@ -328,7 +333,9 @@ def run_ranks(
         attention_group = AttentionGroup(
             flash_attn.FlashAttentionBackend, [name], _spec(setup, dcp, shard_count), 0
         )
-        attention_group.create_metadata_builders(vllm_config, torch.device(setup.device))
+        attention_group.create_metadata_builders(
+            vllm_config, torch.device(setup.device)
+        )
         (builder,) = attention_group.metadata_builders
         shard = GroupGeometry("sinks", shard_count, dcp, r).shard
         ranks.append(
@@ -337,7 +344,9 @@ def run_ranks(
                 "layer": layer,
                 "metadata": builder.build(0, common),
                 "kv_cache": _write_cache(batch, setup, table, shard_count, shard),
-                "query": on_device(batch.queries[:, heads].to(setup.dtype)).contiguous(),
+                "query": on_device(
+                    batch.queries[:, heads].to(setup.dtype)
+                ).contiguous(),
                 "key": on_device(new_keys.to(setup.dtype))[:, None, :],
                 "value": on_device(new_values.to(setup.dtype))[:, None, :],
             }

@@ -73,7 +73,10 @@ PATCH = Patch(
     relies_on=(
         # Relied on: __init__ sets qkv_proj, head_dim, num_local_key_value_heads
         # and kv_size before it calls the hook; forward splits with kv_size.
-        Pin("OAIAttention.__init__", "self, config, quant_config=, cache_config=, prefix="),
+        Pin(
+            "OAIAttention.__init__",
+            "self, config, quant_config=, cache_config=, prefix=",
+        ),
         Pin("OAIAttention.forward", "self, hidden_states, positions"),
     ),
     why=(

@@ -13,6 +13,7 @@ one-line error.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from vllm_dcp_geometry.tooling.cli.common import capacity, runs
 from vllm_dcp_geometry.tooling.cli.common.flags import (
@@ -26,6 +27,12 @@ from vllm_dcp_geometry.tooling.cli.plan.attention import (
     check_draft_attention_backend,
 )
 from vllm_dcp_geometry.tooling.cli.plan.document import build_plan, first_refusal
+from vllm_dcp_geometry.tooling.cli.plan.optimize import (
+    BUDGET_FLAGS,
+    format_optimize,
+    make_budget,
+    optimize_shard_counts,
+)
 from vllm_dcp_geometry.tooling.cli.plan.output import format_plan
 
 HELP = "per-group shard count, widths and block-table bytes vs vLLM 0.33.0"
@@ -49,6 +56,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "DSpark draft gets vLLM's choice, an EAGLE/MTP draft the target's)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
+    optimize = parser.add_argument_group(
+        "--optimize", "choose each attention group's K for a per-rank budget"
+    )
+    optimize.add_argument(
+        "--optimize",
+        action="store_true",
+        help="print the capacity / decode-cost frontier over every admitted K "
+        "and the --additional-config line of the recommended point",
+    )
+    for flag, kind, default, metavar, help_text in BUDGET_FLAGS:
+        optimize.add_argument(
+            flag, type=kind, default=default, metavar=metavar, help=help_text
+        )
+    optimize.add_argument(
+        "--objective", choices=("capacity", "latency"), default="capacity"
+    )
+    optimize.add_argument(
+        "--max-decode-overhead",
+        type=float,
+        default=1.10,
+        metavar="RATIO",
+        help="capacity objective: modeled step time at most this times every "
+        "group's largest K (default 1.10)",
+    )
 
 
 def command(args: argparse.Namespace) -> int:
@@ -56,6 +87,8 @@ def command(args: argparse.Namespace) -> int:
     topology = load_topology(args)
     runs.prepare_vllm(args, patched=True)
     capacity.check_topology_capacity(topology)
+    if args.optimize:
+        return _optimize(args, topology)
     document = build_plan(
         topology,
         args.attention_backend,
@@ -71,3 +104,29 @@ def command(args: argparse.Namespace) -> int:
     refusal = first_refusal(document) or grouping.get("refusal")
     # A group start-up would refuse: the same one-line error, exit 2.
     return EXIT_OK if refusal is None else report_bad_input(refusal)
+
+
+def _optimize(args: argparse.Namespace, topology: Any) -> int:
+    budget = make_budget(
+        **{
+            flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+            for flag, *_ in BUDGET_FLAGS
+        }
+    )
+    result = optimize_shard_counts(
+        topology,
+        budget,
+        objective=args.objective,
+        max_decode_overhead=args.max_decode_overhead,
+        attention_backend=args.attention_backend,
+        draft_attention_backend=check_draft_attention_backend(args.speculative_config),
+    )
+    document = {
+        "command": "plan --optimize",
+        "topology": topology.name,
+        "source": topology.source,
+        **result,
+        **runs.versions(),
+    }
+    runs.emit(document, args.json, format_optimize(result, topology))
+    return EXIT_OK

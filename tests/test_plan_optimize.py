@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``plan --optimize``: its candidates are exactly what ``plan`` (start-up's
+admission) accepts, its frontier is the brute-force Pareto set, its
+recommended line pasted back into ``plan`` gives the numbers it promised,
+and bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_dcp_geometry.tooling.cli import main
+from vllm_dcp_geometry.tooling.cli.plan import optimize as opt
+from vllm_dcp_geometry.tooling.topology import load_profile
+
+
+def _optimized(run_cli, *args: str) -> dict:
+    code, out, err = run_cli("plan", "--optimize", "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize(
+    ("profile", "backend"),
+    [
+        ("gpt-oss-tp32-dcp4", None),
+        ("partial-shard-tp8-dcp8", None),
+        # A backend taught no partial K: K = 1 (vLLM's own local path for a
+        # replicated spec) and K = D are left.
+        ("partial-shard-tp8-dcp8", "TRITON_ATTN"),
+        ("mla-mixed-tp4-dcp4", None),
+    ],
+)
+def test_candidates_are_what_plan_admits(run_cli, profile: str, backend: str | None) -> None:
+    """Every divisor K of D, pasted for one choice (the others at a
+    candidate of theirs), is a candidate exactly where ``plan`` (the
+    admission start-up applies) exits 0 on it."""
+    flags = ["-p", profile, "--device", "H200"]
+    if backend:
+        flags += ["--attention-backend", backend]
+    result = _optimized(run_cli, *flags)
+    topology = load_profile(profile)
+    dcp = topology.decode_context_parallel_size
+    picked = opt.choices(topology)
+    others = {c["name"]: c["candidates"][-1] for c in result["choices"]}
+    checked = 0
+    for choice in result["choices"]:
+        if choice["name"] in result["kept"]:
+            continue
+        admitted = []
+        for k in (d for d in range(1, dcp + 1) if dcp % d == 0):
+            ks = [k if c.name == choice["name"] else others[c.name] for c in picked]
+            line = opt.additional_config(topology, picked, ks)
+            code, _, _ = run_cli(
+                "plan", *flags[:2], *flags[4:], "--additional-config", json.dumps(line)
+            )
+            assert code in (0, 2)
+            if code == 0:
+                admitted.append(k)
+        assert choice["candidates"] == admitted, (profile, choice)
+        checked += 1
+    assert checked
+
+
+def _brute_force(per_choice, base, budget) -> set[tuple[int, ...]]:
+    points = []
+    for combo in itertools.product(*per_choice):
+        points.append(
+            opt.Point(
+                ks=tuple(o.k for o in combo),
+                request_bytes=base.request_bytes + sum(o.request_bytes for o in combo),
+                collective_bytes=sum(o.collective_bytes for o in combo),
+                collective_hops=sum(o.collective_hops for o in combo),
+                virtual_blocks=(),
+            )
+        )
+
+    def dominated(p, q) -> bool:
+        # q is at least as good on both terms and better on one.
+        tp, tq = p.step_seconds(budget), q.step_seconds(budget)
+        return (
+            q.request_bytes <= p.request_bytes
+            and tq <= tp
+            and (q.request_bytes < p.request_bytes or tq < tp)
+        )
+
+    return {p.ks for p in points if not any(dominated(p, q) for q in points)}
+
+
+def _terms(profile: str):
+    from vllm_dcp_geometry.tooling.cli.plan.document import build_plan
+
+    topology = load_profile(profile)
+    picked = opt.choices(topology)
+    per_choice = [
+        opt._options(topology, c, lambda t: build_plan(t), []) for c in picked
+    ]
+    return per_choice
+
+
+@pytest.fixture(scope="module")
+def partial_terms():
+    return _terms("partial-shard-tp8-dcp8")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    hbm=st.floats(100, 10_000),
+    link=st.floats(10, 2_000),
+    hop=st.floats(0, 50),
+)
+def test_the_frontier_is_the_brute_force_pareto_set(
+    partial_terms, hbm: float, link: float, hop: float
+) -> None:
+    budget = opt.Budget(100 << 30, 0.9, 0, hbm, link, hop, None)
+    base = opt.Point((), 0, 0.0, 0, ())
+    merged = opt.frontier(base, partial_terms, budget)
+    expected = _brute_force(partial_terms, base, budget)
+    # Ties (equal terms) may keep either assignment: compare the terms.
+    got = {(p.request_bytes, p.step_seconds(budget)) for p in merged}
+    by_ks = {tuple(o.k for o in c): c for c in itertools.product(*partial_terms)}
+    want = {
+        (
+            sum(o.request_bytes for o in by_ks[ks]),
+            opt.Point(
+                ks,
+                sum(o.request_bytes for o in by_ks[ks]),
+                sum(o.collective_bytes for o in by_ks[ks]),
+                sum(o.collective_hops for o in by_ks[ks]),
+                (),
+            ).step_seconds(budget),
+        )
+        for ks in expected
+    }
+    assert got == want
+
+
+def test_a_wrong_frontier_is_caught_by_the_brute_force(partial_terms) -> None:
+    """The comparison above fails on a frontier that keeps a dominated point."""
+    budget = opt.Budget(100 << 30, 0.9, 0, 4800, 450, 5, None)
+    base = opt.Point((), 0, 0.0, 0, ())
+    everything = [
+        opt.Point(
+            tuple(o.k for o in combo),
+            sum(o.request_bytes for o in combo),
+            sum(o.collective_bytes for o in combo),
+            sum(o.collective_hops for o in combo),
+            (),
+        )
+        for combo in itertools.product(*partial_terms)
+    ]
+    assert {p.ks for p in everything} != _brute_force(partial_terms, base, budget)
+    assert len(opt.frontier(base, partial_terms, budget)) < len(everything)
+
+
+@pytest.mark.parametrize(
+    "profile", ["kimi-k3-tp16-dcp16", "deepseek-v32-tp8-dcp8", "gpt-oss-tp64-dcp8"]
+)
+def test_the_recommended_line_plans_what_it_promised(run_cli, profile: str) -> None:
+    result = _optimized(run_cli, "-p", profile, "--device", "H200", "--weight-gib", "8")
+    chosen = result["recommended"]
+    code, out, err = run_cli(
+        "plan", "-p", profile, "--json", "--additional-config", chosen["additional_config"]
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["totals"]["kv_bytes_per_request_per_rank"] == (
+        chosen["request_bytes_per_rank"]
+    )
+    budget = result["budget"]["kv_bytes_per_rank"]
+    assert chosen["requests"] == budget // chosen["request_bytes_per_rank"]
+    # Within the overhead bound, no frontier point holds more requests.
+    allowed = [
+        e for e in result["frontier"] if e["decode_overhead"] <= result["max_decode_overhead"]
+    ]
+    assert chosen["requests"] == max(e["requests"] for e in allowed)
+
+
+def test_latency_objective_takes_the_fastest_point(run_cli) -> None:
+    result = _optimized(
+        run_cli, "-p", "gpt-oss-tp64-dcp8", "--device", "H200", "--objective", "latency"
+    )
+    fastest = min(e["step_seconds"] for e in result["frontier"])
+    assert result["recommended"]["step_seconds"] == fastest
+    assert result["recommended"]["shard_counts"]["full"] == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--device", "A100"], "--device 'A100' is not in the table"),
+        (["--device", "H100", "--weight-gib", "100"], "leave no KV memory"),
+        ([], "--optimize needs --device or --gpu-memory-gib"),
+        (
+            ["--device", "H200", "--max-decode-overhead", "0.01"],
+            "within --max-decode-overhead 0.01",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(run_cli, flags: list[str], words: str) -> None:
+    code, out, err = run_cli("plan", "--optimize", "-p", "gpt-oss-tp32-dcp4", *flags)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert words in err

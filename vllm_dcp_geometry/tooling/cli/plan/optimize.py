@@ -1,0 +1,572 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
+"""``plan --optimize``: each attention group's K for a memory budget, the
+trade-off between KV capacity and decode cost, and the line to paste.
+
+Candidates. Groups that must share one K are one choice: a latent cache and
+its indexer cache (start-up hands the indexer its latent's override) and,
+conservatively, every sparse latent group (start-up requires one K per sparse
+index group, which a topology does not record). A draft keeps its K
+(start-up refuses sharding a draft vLLM builds replicated where its impl
+runs for fewer than D ranks, which a topology cannot tell), named in the
+line all the same; recurrent state has none to choose. For the rest, every
+divisor K of D is planned by ``build_plan`` on the topology with
+that choice applied through ``apply_additional_config`` (start-up's override
+rules) and kept only where start-up's admission rule admits every group of
+the choice: a K start-up would refuse is never a candidate.
+
+Terms, per rank and additive over choices: the KV bytes one request of the
+target context occupies (vLLM's page rule, ``kv_bytes_per_request_per_rank``)
+and the decode collective bytes per token over all the choice's layers
+(``decode_collective_bytes_per_rank_per_token`` times layers; a quantized
+cache's activation size is unknown to the topology, so its collectives count
+0 and are named). The budget (device memory x utilization - weights) over the
+request bytes gives the requests that fit; a modeled decode step time per
+request is request bytes / HBM bandwidth + collective bytes / link bandwidth
+(a model from public figures, labelled as one, overridable). The search keeps
+the exact Pareto frontier of (request bytes, step time) by merging the
+choices' candidates one at a time and dropping dominated sums, so it is exact
+and needs no enumeration of every assignment.
+
+Every frontier point is checked by planning it: its pasted
+``--additional-config`` applied to the topology gives the same totals and
+start-up's KV-cache grouping accepts it; a point that fails either is
+dropped, named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_dcp_geometry.contract import DcpGeometryError, scheduler_block_size
+from vllm_dcp_geometry.contract.overrides import CONFIG_KEY, REPLICATED, SHARDED
+from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology, TopologyError
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Public figures for one GPU, per device."""
+
+    name: str
+    memory_gib: float
+    hbm_gbps: float
+    link_gbps: float
+
+
+DEVICES = {
+    d.name: d
+    for d in (
+        # Vendor datasheets: HBM bandwidth, NVLink bandwidth per direction.
+        Device("H100", 80, 3350, 450),
+        Device("H200", 141, 4800, 450),
+        Device("B200", 180, 8000, 900),
+    )
+}
+
+
+BUDGET_FLAGS: tuple[tuple[str, Any, Any, str | None, str], ...] = (
+    # flag, type, default, metavar, help: ``make_budget``'s parameters.
+    ("--device", str, None, "NAME", f"GPU figures: {', '.join(DEVICES)}"),
+    ("--gpu-memory-gib", float, None, "GIB", "memory per GPU"),
+    ("--gpu-memory-utilization", float, 0.9, None, "as vLLM reads it (0.9)"),
+    ("--weight-gib", float, 0.0, "GIB", "weights and other non-KV memory per rank"),
+    ("--hbm-gbps", float, None, "GB/S", "HBM bandwidth per GPU"),
+    ("--link-gbps", float, None, "GB/S", "GPU-to-GPU bandwidth per direction"),
+    ("--hop-latency-us", float, 5.0, "US", "latency of one ring step (5)"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What one rank has for KV and how fast it moves bytes."""
+
+    memory_bytes: int
+    utilization: float
+    weight_bytes: int
+    hbm_gbps: float
+    link_gbps: float
+    hop_latency_us: float
+    device: str | None
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.memory_bytes * self.utilization) - self.weight_bytes
+
+
+def make_budget(
+    *,
+    device: str | None,
+    gpu_memory_gib: float | None,
+    gpu_memory_utilization: float,
+    weight_gib: float,
+    hbm_gbps: float | None,
+    link_gbps: float | None,
+    hop_latency_us: float = 5.0,
+) -> Budget:
+    """The budget from a device name and/or explicit figures; bad input
+    raises ``TopologyError`` with one line."""
+    known = None
+    if device is not None:
+        known = DEVICES.get(device.upper())
+        if known is None:
+            raise TopologyError(
+                f"--device {device!r} is not in the table "
+                f"({', '.join(DEVICES)}); give --gpu-memory-gib, --hbm-gbps and "
+                "--link-gbps instead"
+            )
+    memory = gpu_memory_gib if gpu_memory_gib is not None else known and known.memory_gib
+    hbm = hbm_gbps if hbm_gbps is not None else known and known.hbm_gbps
+    link = link_gbps if link_gbps is not None else known and known.link_gbps
+    missing = [
+        flag
+        for flag, value in (
+            ("--gpu-memory-gib", memory),
+            ("--hbm-gbps", hbm),
+            ("--link-gbps", link),
+        )
+        if not value
+    ]
+    if missing:
+        raise TopologyError(
+            f"--optimize needs --device or {', '.join(missing)} (per rank)"
+        )
+    utilization = gpu_memory_utilization
+    if not 0 < utilization <= 1:
+        raise TopologyError(
+            f"--gpu-memory-utilization must be in (0, 1], got {utilization}"
+        )
+    budget = Budget(
+        memory_bytes=int(float(memory) * GIB),  # type: ignore[arg-type]
+        utilization=utilization,
+        weight_bytes=int(weight_gib * GIB),
+        hbm_gbps=float(hbm),  # type: ignore[arg-type]
+        link_gbps=float(link),  # type: ignore[arg-type]
+        hop_latency_us=hop_latency_us,
+        device=known.name if known else None,
+    )
+    if budget.kv_bytes <= 0:
+        raise TopologyError(
+            f"the weights ({weight_gib} GiB per rank) leave no KV memory in "
+            f"{memory} GiB x {utilization}"
+        )
+    return budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Groups that take one K together, and the layers an override names."""
+
+    name: str
+    groups: tuple[str, ...]
+    layers: tuple[str, ...]
+    fixed_k: int | None = None
+    """The K a draft keeps (named in the line all the same, so the line
+    states every attention layer's K)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One K of one choice and its additive terms."""
+
+    k: int
+    request_bytes: int
+    collective_bytes: float
+    collective_hops: int
+    virtual_blocks: tuple[int, ...]
+    unknown_collectives: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One assignment: a K per choice and its summed terms."""
+
+    ks: tuple[int, ...]
+    request_bytes: int
+    collective_bytes: float
+    collective_hops: int
+    virtual_blocks: tuple[int, ...]
+
+    def step_seconds(self, budget: Budget) -> float:
+        return (
+            self.request_bytes / (budget.hbm_gbps * 1e9)
+            + self.collective_bytes / (budget.link_gbps * 1e9)
+            + self.collective_hops * budget.hop_latency_us * 1e-6
+        )
+
+
+def choices(topology: Topology) -> list[Choice]:
+    """The topology's attention groups as choices (recurrent state has none)."""
+    dcp = topology.decode_context_parallel_size
+    by_choice: dict[str, list[CacheGroup]] = {}
+    indexers: list[CacheGroup] = []
+    for group in topology.groups:
+        fields = group.spec_fields
+        if not group.is_attention:
+            continue
+        if fields.get("cache_role") == "indexer":
+            indexers.append(group)
+        else:
+            # A sparse latent cache of an index group (its top-k buffer).
+            indexed = "is_index_group_leader" in fields or "topk_buffer_width" in fields
+            key = "sparse" if indexed and not group.draft else group.name
+            by_choice.setdefault(key, []).append(group)
+    result = []
+    for name, groups in by_choice.items():
+        layers = tuple(layer for g in groups for layer in g.layers)
+        ids = {_layer_id(layer) for layer in layers}
+        # An indexer cache goes with its latent cache (the same layer).
+        tied = [g for g in indexers if {_layer_id(x) for x in g.layers} <= ids]
+        result.append(
+            Choice(
+                name=name,
+                groups=tuple(g.name for g in (*groups, *tied)),
+                layers=layers,
+                fixed_k=groups[0].shard_count(dcp) if groups[0].draft else None,
+            )
+        )
+    return result
+
+
+def _layer_id(layer: str) -> str:
+    # "model.layers.7.self_attn.attn" and its indexer cache
+    # "model.layers.7.self_attn.indexer.k_cache" share "model.layers.7".
+    parts = layer.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return layer
+
+
+def override_value(k: int, dcp: int) -> int | str:
+    return REPLICATED if k == 1 else SHARDED if k == dcp else k
+
+
+def additional_config(
+    topology: Topology, picked: Sequence[Choice], ks: Sequence[int]
+) -> dict[str, Any]:
+    """The ``--additional-config`` that gives each choice its K."""
+    dcp = topology.decode_context_parallel_size
+    layers = {
+        layer: override_value(k, dcp)
+        for choice, k in zip(picked, ks, strict=True)
+        for layer in choice.layers
+    }
+    return {CONFIG_KEY: {"layers": layers}}
+
+
+def _options(
+    topology: Topology,
+    choice: Choice,
+    plan_of: Any,
+    refused: list[str],
+) -> list[Option]:
+    dcp = topology.decode_context_parallel_size
+    roles = {g.name: g.spec_fields.get("cache_role") for g in topology.groups}
+    options = []
+    ks = [choice.fixed_k] if choice.fixed_k else [k for k in range(1, dcp + 1) if dcp % k == 0]
+    for k in ks:
+        try:
+            candidate = _applied(topology, [choice], [k])
+            rows = {row["name"]: row for row in plan_of(candidate)["groups"]}
+        except (DcpGeometryError, TopologyError) as exc:  # start-up's rules
+            refused.append(f"{choice.name} K={k}: {exc}")
+            continue
+        mine = [rows[name] for name in choice.groups]
+        refusal = next((r["attention_refusal"] for r in mine if r["attention_refusal"]), None)
+        if refusal:
+            refused.append(f"{choice.name} K={k}: {refusal}")
+            continue
+        unknown = tuple(
+            r["name"] for r in mine if r["decode_collective_bytes_per_rank_per_token"] is None
+            and r["attention_mode"] not in ("local", "none")
+        )
+        options.append(
+            Option(
+                k=k,
+                request_bytes=sum(r["kv_bytes_per_request_per_rank"] for r in mine),
+                collective_bytes=sum(
+                    r["num_layers"] * (r["decode_collective_bytes_per_rank_per_token"] or 0)
+                    for r in mine
+                ),
+                collective_hops=sum(
+                    r["num_layers"]
+                    * _hops(r["collective_world_size"], roles.get(r["name"]))
+                    for r in mine
+                ),
+                virtual_blocks=tuple(r["virtual_block_size"] for r in mine),
+                unknown_collectives=unknown,
+            )
+        )
+    if not options:
+        raise TopologyError(f"--optimize: no K is admitted for {choice.name}")
+    return options
+
+
+COLLECTIVES_PER_LAYER = 3
+"""A DCP decode step's collectives per attention layer: the query
+all-gather, the LSE all-gather and the output reduce-scatter
+(``contract.collectives``); an indexer cache's layer adds one, its top-k
+merge's all-gather."""
+
+
+def _hops(world_size: int | None, cache_role: str | None) -> int:
+    # A ring collective over W ranks takes W - 1 steps, each paying latency.
+    if not world_size:
+        return 0
+    collectives = 1 if cache_role == "indexer" else COLLECTIVES_PER_LAYER
+    return collectives * (world_size - 1)
+
+
+def _applied(topology: Topology, picked: Sequence[Choice], ks: Sequence[int]) -> Topology:
+    from vllm_dcp_geometry.tooling.topology.overrides import apply_additional_config
+
+    return apply_additional_config(topology, additional_config(topology, picked, ks))
+
+
+def frontier(
+    base: Point, per_choice: Sequence[Sequence[Option]], budget: Budget
+) -> list[Point]:
+    """The exact Pareto frontier of (request bytes, step time): merge one
+    choice's options at a time into the running frontier, keeping only
+    non-dominated sums (both terms add over choices)."""
+    points = [base]
+    for options in per_choice:
+        merged = [
+            Point(
+                ks=(*p.ks, o.k),
+                request_bytes=p.request_bytes + o.request_bytes,
+                collective_bytes=p.collective_bytes + o.collective_bytes,
+                collective_hops=p.collective_hops + o.collective_hops,
+                virtual_blocks=(*p.virtual_blocks, *o.virtual_blocks),
+            )
+            for p in points
+            for o in options
+        ]
+        points = _non_dominated(merged, budget)
+    return points
+
+
+def _non_dominated(points: list[Point], budget: Budget) -> list[Point]:
+    ordered = sorted(points, key=lambda p: (p.request_bytes, p.step_seconds(budget)))
+    kept: list[Point] = []
+    best = math.inf
+    for point in ordered:
+        t = point.step_seconds(budget)
+        if t < best:
+            kept.append(point)
+            best = t
+    return kept
+
+
+def optimize_shard_counts(
+    topology: Topology,
+    budget: Budget,
+    *,
+    objective: str,
+    max_decode_overhead: float,
+    attention_backend: str | None,
+    draft_attention_backend: str | None,
+) -> dict[str, Any]:
+    """The frontier, the recommended point and its line, as JSON."""
+    from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import (
+        start_up_grouping,
+    )
+    from vllm_dcp_geometry.tooling.cli.plan.document import build_plan
+
+    def plan_of(candidate: Topology) -> dict[str, Any]:
+        return build_plan(
+            candidate,
+            attention_backend,
+            draft_attention_backend=draft_attention_backend,
+        )
+
+    picked = choices(topology)
+    if not any(c.fixed_k is None for c in picked):
+        raise TopologyError(
+            "--optimize: the topology has no target attention group to choose K for"
+        )
+    refused: list[str] = []
+    per_choice = [_options(topology, c, plan_of, refused) for c in picked]
+    rows = {row["name"]: row for row in plan_of(topology)["groups"]}
+    chosen_groups = {name for c in picked for name in c.groups}
+    fixed_rows = [r for name, r in rows.items() if name not in chosen_groups]
+    # Recurrent state: per request, the same at every K.
+    base = Point(
+        ks=(),
+        request_bytes=sum(r["kv_bytes_per_request_per_rank"] for r in fixed_rows),
+        collective_bytes=0.0,
+        collective_hops=0,
+        virtual_blocks=tuple(r["virtual_block_size"] for r in fixed_rows),
+    )
+    unknown = sorted(
+        {n for options in per_choice for o in options for n in o.unknown_collectives}
+    )
+    points = frontier(base, per_choice, budget)
+    # Each point planned as pasted: the same totals, a grouping start-up takes.
+    checked, dropped = [], []
+    backends = {r["attention_backend"] for r in rows.values() if r["attention_backend"]}
+    for point in points:
+        applied = _applied(topology, picked, point.ks)
+        totals = plan_of(applied)["totals"]
+        if totals["kv_bytes_per_request_per_rank"] != point.request_bytes:
+            raise TopologyError(
+                f"--optimize: K={point.ks} plans {totals['kv_bytes_per_request_per_rank']} "
+                f"request bytes, the search summed {point.request_bytes}"
+            )
+        refusal = start_up_grouping(applied, backends).get("refusal")
+        if refusal:
+            dropped.append(f"K={list(point.ks)}: {refusal}")
+        else:
+            checked.append(point)
+    if not checked:
+        raise TopologyError(
+            "--optimize: start-up's KV-cache grouping refuses every frontier point: "
+            + "; ".join(dropped)
+        )
+    largest = [max(options, key=lambda o: o.k) for options in per_choice]
+    sharded = Point(
+        ks=tuple(o.k for o in largest),
+        request_bytes=base.request_bytes + sum(o.request_bytes for o in largest),
+        collective_bytes=sum(o.collective_bytes for o in largest),
+        collective_hops=sum(o.collective_hops for o in largest),
+        virtual_blocks=(),
+    )
+    reference = sharded.step_seconds(budget)
+    entries = [
+        _entry(topology, picked, point, budget, reference) for point in checked
+    ]
+    if objective == "latency":
+        chosen = min(entries, key=lambda e: (e["step_seconds"], -e["requests"]))
+    else:
+        allowed = [e for e in entries if e["decode_overhead"] <= max_decode_overhead]
+        if not allowed:
+            raise TopologyError(
+                f"--optimize: no admitted assignment is within "
+                f"--max-decode-overhead {max_decode_overhead} of every group at its "
+                "largest K"
+            )
+        chosen = max(allowed, key=lambda e: (e["requests"], -e["step_seconds"]))
+    return {
+        "budget": {
+            "device": budget.device,
+            "gpu_memory_bytes": budget.memory_bytes,
+            "gpu_memory_utilization": budget.utilization,
+            "weight_bytes_per_rank": budget.weight_bytes,
+            "kv_bytes_per_rank": budget.kv_bytes,
+            "hbm_gbps": budget.hbm_gbps,
+            "link_gbps": budget.link_gbps,
+            "hop_latency_us": budget.hop_latency_us,
+        },
+        "objective": objective,
+        "max_decode_overhead": max_decode_overhead,
+        "choices": [
+            {"name": c.name, "groups": list(c.groups), "candidates": [o.k for o in opts]}
+            for c, opts in zip(picked, per_choice, strict=True)
+        ],
+        "kept": [c.name for c in picked if c.fixed_k],
+        "refused_candidates": refused,
+        "unknown_collective_groups": unknown,
+        "dropped_points": dropped,
+        "reference_step_seconds": reference,
+        "frontier": entries,
+        "recommended": chosen,
+    }
+
+
+def _entry(
+    topology: Topology,
+    picked: Sequence[Choice],
+    point: Point,
+    budget: Budget,
+    reference: float,
+) -> dict[str, Any]:
+    step = point.step_seconds(budget)
+    blocks = [b for b in point.virtual_blocks if b]
+    return {
+        "shard_counts": {c.name: k for c, k in zip(picked, point.ks, strict=True)},
+        "request_bytes_per_rank": point.request_bytes,
+        "requests": budget.kv_bytes // point.request_bytes,
+        "collective_bytes_per_token_per_rank": point.collective_bytes,
+        "step_seconds": step,
+        "decode_overhead": step / reference if reference else 1.0,
+        "scheduler_block_size": scheduler_block_size(blocks),
+        "hash_block_size": math.gcd(*blocks) if blocks else None,
+        "additional_config": json.dumps(
+            additional_config(topology, picked, point.ks), separators=(",", ":")
+        ),
+    }
+
+
+def format_optimize(result: dict[str, Any], topology: Topology) -> str:
+    budget = result["budget"]
+    names = [c["name"] for c in result["choices"]]
+    lines = [
+        f"--optimize {topology.name}: DCP={topology.decode_context_parallel_size}, "
+        f"max_model_len={topology.max_model_len:,}; per rank "
+        f"{budget['kv_bytes_per_rank'] / GIB:,.1f} GiB for KV "
+        f"({budget['gpu_memory_bytes'] / GIB:,.0f} GiB x "
+        f"{budget['gpu_memory_utilization']} - {budget['weight_bytes_per_rank'] / GIB:,.1f} "
+        f"GiB weights{', ' + budget['device'] if budget['device'] else ''})",
+        "choices (groups that take one K): "
+        + "; ".join(
+            f"{c['name']} ({', '.join(c['groups'])}): K in {c['candidates']}"
+            for c in result["choices"]
+        ),
+    ]
+    if result["kept"]:
+        lines.append(
+            "drafts keep the K vLLM builds them with: " + ", ".join(result["kept"])
+        )
+    for reason in result["refused_candidates"]:
+        lines.append(f"not a candidate, start-up would refuse: {reason}")
+    if result["unknown_collective_groups"]:
+        lines.append(
+            "collective bytes unknown (quantized cache, activation size not in the "
+            "topology), counted 0: " + ", ".join(result["unknown_collective_groups"])
+        )
+    header = [*names, "requests", "B/request/rank", "coll B/token", "step (model)", "vs K=max", "sched B"]
+    rows = [
+        [
+            *(str(e["shard_counts"][n]) for n in names),
+            f"{e['requests']:,}",
+            f"{e['request_bytes_per_rank']:,}",
+            f"{e['collective_bytes_per_token_per_rank']:,.0f}",
+            f"{e['step_seconds'] * 1e3:.3f} ms",
+            f"{e['decode_overhead']:.3f}",
+            f"{e['scheduler_block_size']:,}",
+        ]
+        for e in result["frontier"]
+    ]
+    from vllm_dcp_geometry.tooling.cli.common.text_table import render_table
+
+    chosen = result["recommended"]
+    lines += [
+        "",
+        "frontier (no other admitted assignment holds more requests at a lower modeled step time):",
+        render_table(header, rows, right=set(range(len(header)))),
+        "",
+        "step (model): request bytes / HBM "
+        f"{budget['hbm_gbps']:,.0f} GB/s + collective bytes / link "
+        f"{budget['link_gbps']:,.0f} GB/s + {budget['hop_latency_us']} us per ring "
+        f"step of {COLLECTIVES_PER_LAYER} collectives per DCP layer (1 per indexer), "
+        "one request per decode step; a model, not a measurement. vs K=max: against every choice at its largest admitted K. "
+        "sched B: the scheduler block (LCM of B x K; prefix-cache hits are counted in it).",
+        f"recommended ({result['objective']}"
+        + (
+            f", within {result['max_decode_overhead']}x"
+            if result["objective"] == "capacity"
+            else ""
+        )
+        + f"): K {chosen['shard_counts']}, {chosen['requests']:,} requests of "
+        f"{topology.max_model_len:,} tokens per rank's KV",
+        f"vllm serve ... --additional-config '{chosen['additional_config']}'",
+    ]
+    for reason in result["dropped_points"]:
+        lines.append(f"dropped, start-up's KV-cache grouping refuses it: {reason}")
+    return "\n".join(lines)
