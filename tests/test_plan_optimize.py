@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_dcp_geometry.tooling.cli import main
 from vllm_dcp_geometry.tooling.cli.plan import optimize as opt
 from vllm_dcp_geometry.tooling.topology import load_profile
 
@@ -36,7 +35,9 @@ def _optimized(run_cli, *args: str) -> dict:
         ("mla-mixed-tp4-dcp4", None),
     ],
 )
-def test_candidates_are_what_plan_admits(run_cli, profile: str, backend: str | None) -> None:
+def test_candidates_are_what_plan_admits(
+    run_cli, profile: str, backend: str | None
+) -> None:
     """Every divisor K of D, pasted for one choice (the others at a
     candidate of theirs), is a candidate exactly where ``plan`` (the
     admission start-up applies) exits 0 on it."""
@@ -165,18 +166,33 @@ def test_the_recommended_line_plans_what_it_promised(run_cli, profile: str) -> N
     result = _optimized(run_cli, "-p", profile, "--device", "H200", "--weight-gib", "8")
     chosen = result["recommended"]
     code, out, err = run_cli(
-        "plan", "-p", profile, "--json", "--additional-config", chosen["additional_config"]
+        "plan",
+        "-p",
+        profile,
+        "--json",
+        "--additional-config",
+        chosen["additional_config"],
     )
     assert code == 0, err
     plan = json.loads(out)
-    assert plan["totals"]["kv_bytes_per_request_per_rank"] == (
-        chosen["request_bytes_per_rank"]
+    assert (
+        plan["totals"]["kv_bytes_per_request_per_rank"]
+        == (chosen["request_bytes_per_rank"])
     )
-    budget = result["budget"]["kv_bytes_per_rank"]
-    assert chosen["requests"] == budget // chosen["request_bytes_per_rank"]
+    # vLLM's rule on vLLM's pool, and vLLM's KVCacheManager holds at least it.
+    assert (
+        chosen["requests"]
+        == (chosen["pool_blocks"] - 1) // chosen["blocks_per_request"]
+    )
+    check = result["capacity_check"]
+    assert check["predicted_requests"] == chosen["requests"] > 0
+    assert check["admitted_requests"] >= check["predicted_requests"]
+    assert check["holds"]
     # Within the overhead bound, no frontier point holds more requests.
     allowed = [
-        e for e in result["frontier"] if e["decode_overhead"] <= result["max_decode_overhead"]
+        e
+        for e in result["frontier"]
+        if e["decode_overhead"] <= result["max_decode_overhead"]
     ]
     assert chosen["requests"] == max(e["requests"] for e in allowed)
 
@@ -208,3 +224,16 @@ def test_bad_input_exits_2_with_one_line(run_cli, flags: list[str], words: str) 
     assert out == ""
     assert len(err.strip().splitlines()) == 1
     assert words in err
+
+
+def test_the_capacity_check_fails_on_an_overpromise() -> None:
+    """A pool that claims more requests than it holds (a rule that counts one
+    block per request) is caught by vLLM's KVCacheManager."""
+    import dataclasses as dc
+
+    topology = load_profile("gpt-oss-tp32-dcp4")
+    pool = opt.vllm_pool(topology, {"FLASH_ATTN"}, 40 << 30)
+    held = opt.admitted_requests(topology, pool, step_tokens=2048)
+    assert held >= pool.requests > 0
+    wrong = dc.replace(pool, blocks_per_request=pool.blocks_per_request // 2)
+    assert opt.admitted_requests(topology, wrong, step_tokens=2048) < wrong.requests

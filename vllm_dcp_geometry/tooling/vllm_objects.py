@@ -323,9 +323,17 @@ def build_kv_cache_manager(
     """vLLM's real ``KVCacheManager`` over the topology's groups with a pool
     of ``num_pages`` pages (the null page included), block sizes resolved by
     vLLM: what ``replay`` drives and the scheduler benchmark times."""
+    kv_cache_config = build_kv_cache_config(topology, specs, num_pages)
+    return manager_for(topology, kv_cache_config, config, enable_caching=enable_caching)
+
+
+def manager_for(
+    topology: Topology, kv_cache_config: Any, config: Any, *, enable_caching: bool
+) -> ManagerSetup:
+    """vLLM's real ``KVCacheManager`` over ``kv_cache_config``'s groups and
+    pool, block sizes resolved by vLLM."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    kv_cache_config = build_kv_cache_config(topology, specs, num_pages)
     sched_block, hash_block = resolve_block_sizes(kv_cache_config, config)
     try:
         manager = KVCacheManager(
@@ -341,4 +349,6 @@ def build_kv_cache_manager(
         raise TopologyError(
             f"vLLM's KVCacheManager rejects this layout: {exc}"
         ) from exc
-    return ManagerSetup(manager, kv_cache_config, sched_block, hash_block, num_pages)
+    return ManagerSetup(
+        manager, kv_cache_config, sched_block, hash_block, kv_cache_config.num_blocks
+    )

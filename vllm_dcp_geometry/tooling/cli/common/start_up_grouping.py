@@ -229,3 +229,35 @@ def with_grouping_notice(
     if not grouping.get("differences"):
         return text
     return "\n".join([*grouping_lines(grouping, listed_groups, used_as), text])
+
+
+def start_up_pool(
+    topology: Topology, backend_names: set[str], available_memory: int
+) -> tuple[Any, Any]:
+    """The scheduler's ``KVCacheConfig`` start-up makes for ``available_memory``
+    bytes of KV per rank: vLLM's planner's groups (padding included), its
+    pool size (``get_kv_cache_config_from_groups``), each group's spec as the
+    scheduler holds it (``generate_scheduler_kv_cache_config``); and the
+    ``VllmConfig`` it was made with. Start-up's refusal is a ``TopologyError``."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import (
+        get_global_kv_cache_groups,
+        get_kv_cache_config_from_groups,
+    )
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    specs = _layer_specs(topology)
+    with vllm_notes_held_back():
+        config = _start_up_config(topology)
+        config.model_config.max_model_len = topology.max_model_len
+        layouts, _ = _declared_layouts(backend_names)
+        try:
+            resolve_kv_cache_layout(config, [layouts], specs.values())
+            groups = list(get_global_kv_cache_groups(config, [dict(specs)]))
+            worker = get_kv_cache_config_from_groups(config, groups, available_memory)
+        except (ValueError, AssertionError, NotImplementedError) as exc:
+            raise TopologyError(
+                f"topology {topology.name!r}: vLLM's KV-cache planner refuses "
+                f"these layers, as start-up would ({' '.join(str(exc).split())})"
+            ) from exc
+    return generate_scheduler_kv_cache_config([worker]), config

@@ -22,7 +22,11 @@ from vllm_dcp_geometry.tooling.cli.common.flags import (
     load_topology,
 )
 from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import start_up_grouping
-from vllm_dcp_geometry.tooling.cli.common.status import EXIT_OK, report_bad_input
+from vllm_dcp_geometry.tooling.cli.common.status import (
+    EXIT_OK,
+    EXIT_VIOLATION,
+    report_bad_input,
+)
 from vllm_dcp_geometry.tooling.cli.plan.attention import (
     check_draft_attention_backend,
 )
@@ -129,4 +133,5 @@ def _optimize(args: argparse.Namespace, topology: Any) -> int:
         **runs.versions(),
     }
     runs.emit(document, args.json, format_optimize(result, topology))
-    return EXIT_OK
+    # vLLM's KVCacheManager must admit what vLLM's own rule says the pool holds.
+    return EXIT_OK if result["capacity_check"]["holds"] else EXIT_VIOLATION

@@ -17,21 +17,23 @@ the choice: a K start-up would refuse is never a candidate.
 
 Terms, per rank and additive over choices: the KV bytes one request of the
 target context occupies (vLLM's page rule, ``kv_bytes_per_request_per_rank``)
-and the decode collective bytes per token over all the choice's layers
-(``decode_collective_bytes_per_rank_per_token`` times layers; a quantized
-cache's activation size is unknown to the topology, so its collectives count
-0 and are named). The budget (device memory x utilization - weights) over the
-request bytes gives the requests that fit; a modeled decode step time per
-request is request bytes / HBM bandwidth + collective bytes / link bandwidth
-(a model from public figures, labelled as one, overridable). The search keeps
-the exact Pareto frontier of (request bytes, step time) by merging the
-choices' candidates one at a time and dropping dominated sums, so it is exact
-and needs no enumeration of every assignment.
+and the decode collective bytes and ring steps per token over all the
+choice's layers (a quantized cache's activation size is unknown to the
+topology, so its collective bytes count 0 and are named). A modeled decode
+step time per request is request bytes / HBM bandwidth + collective bytes /
+link bandwidth + ring steps x a hop latency (a model from public figures,
+labelled as one, overridable). The search keeps the exact Pareto frontier of
+(request bytes, step time) by merging the choices' candidates one at a time
+and dropping dominated sums, so it is exact without enumerating every
+assignment.
 
-Every frontier point is checked by planning it: its pasted
-``--additional-config`` applied to the topology gives the same totals and
-start-up's KV-cache grouping accepts it; a point that fails either is
-dropped, named.
+Every frontier point is then planned from its pasted ``--additional-config``
+(the same totals, or an error) and given vLLM's own pool for the budget
+(device memory x utilization - weights): start-up's planner groups, padding
+and sizing (``vllm_pool``); the requests it holds are vLLM's rule. A point
+start-up's planner refuses is dropped, named. The recommended pool is run
+through vLLM's real ``KVCacheManager`` (``admitted_requests``), which must
+hold at least what the rule promises.
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ def make_budget(
                 f"({', '.join(DEVICES)}); give --gpu-memory-gib, --hbm-gbps and "
                 "--link-gbps instead"
             )
-    memory = gpu_memory_gib if gpu_memory_gib is not None else known and known.memory_gib
+    memory = (
+        gpu_memory_gib if gpu_memory_gib is not None else known and known.memory_gib
+    )
     hbm = hbm_gbps if hbm_gbps is not None else known and known.hbm_gbps
     link = link_gbps if link_gbps is not None else known and known.link_gbps
     missing = [
@@ -269,7 +273,11 @@ def _options(
     dcp = topology.decode_context_parallel_size
     roles = {g.name: g.spec_fields.get("cache_role") for g in topology.groups}
     options = []
-    ks = [choice.fixed_k] if choice.fixed_k else [k for k in range(1, dcp + 1) if dcp % k == 0]
+    ks = (
+        [choice.fixed_k]
+        if choice.fixed_k
+        else [k for k in range(1, dcp + 1) if dcp % k == 0]
+    )
     for k in ks:
         try:
             candidate = _applied(topology, [choice], [k])
@@ -278,12 +286,16 @@ def _options(
             refused.append(f"{choice.name} K={k}: {exc}")
             continue
         mine = [rows[name] for name in choice.groups]
-        refusal = next((r["attention_refusal"] for r in mine if r["attention_refusal"]), None)
+        refusal = next(
+            (r["attention_refusal"] for r in mine if r["attention_refusal"]), None
+        )
         if refusal:
             refused.append(f"{choice.name} K={k}: {refusal}")
             continue
         unknown = tuple(
-            r["name"] for r in mine if r["decode_collective_bytes_per_rank_per_token"] is None
+            r["name"]
+            for r in mine
+            if r["decode_collective_bytes_per_rank_per_token"] is None
             and r["attention_mode"] not in ("local", "none")
         )
         options.append(
@@ -291,7 +303,8 @@ def _options(
                 k=k,
                 request_bytes=sum(r["kv_bytes_per_request_per_rank"] for r in mine),
                 collective_bytes=sum(
-                    r["num_layers"] * (r["decode_collective_bytes_per_rank_per_token"] or 0)
+                    r["num_layers"]
+                    * (r["decode_collective_bytes_per_rank_per_token"] or 0)
                     for r in mine
                 ),
                 collective_hops=sum(
@@ -323,7 +336,9 @@ def _hops(world_size: int | None, cache_role: str | None) -> int:
     return collectives * (world_size - 1)
 
 
-def _applied(topology: Topology, picked: Sequence[Choice], ks: Sequence[int]) -> Topology:
+def _applied(
+    topology: Topology, picked: Sequence[Choice], ks: Sequence[int]
+) -> Topology:
     from vllm_dcp_geometry.tooling.topology.overrides import apply_additional_config
 
     return apply_additional_config(topology, additional_config(topology, picked, ks))
@@ -374,9 +389,6 @@ def optimize_shard_counts(
     draft_attention_backend: str | None,
 ) -> dict[str, Any]:
     """The frontier, the recommended point and its line, as JSON."""
-    from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import (
-        start_up_grouping,
-    )
     from vllm_dcp_geometry.tooling.cli.plan.document import build_plan
 
     def plan_of(candidate: Topology) -> dict[str, Any]:
@@ -416,14 +428,16 @@ def optimize_shard_counts(
         totals = plan_of(applied)["totals"]
         if totals["kv_bytes_per_request_per_rank"] != point.request_bytes:
             raise TopologyError(
-                f"--optimize: K={point.ks} plans {totals['kv_bytes_per_request_per_rank']} "
+                f"--optimize: K={point.ks} plans "
+                f"{totals['kv_bytes_per_request_per_rank']} "
                 f"request bytes, the search summed {point.request_bytes}"
             )
-        refusal = start_up_grouping(applied, backends).get("refusal")
-        if refusal:
-            dropped.append(f"K={list(point.ks)}: {refusal}")
+        try:
+            pool = vllm_pool(applied, backends, budget.kv_bytes)
+        except TopologyError as exc:
+            dropped.append(f"K={list(point.ks)}: {exc}")
         else:
-            checked.append(point)
+            checked.append((point, pool))
     if not checked:
         raise TopologyError(
             "--optimize: start-up's KV-cache grouping refuses every frontier point: "
@@ -439,8 +453,10 @@ def optimize_shard_counts(
     )
     reference = sharded.step_seconds(budget)
     entries = [
-        _entry(topology, picked, point, budget, reference) for point in checked
+        _entry(topology, picked, point, pool, budget, reference)
+        for point, pool in checked
     ]
+    chosen_ks = {id(e): p.ks for e, (p, _) in zip(entries, checked, strict=True)}
     if objective == "latency":
         chosen = min(entries, key=lambda e: (e["step_seconds"], -e["requests"]))
     else:
@@ -452,7 +468,23 @@ def optimize_shard_counts(
                 "largest K"
             )
         chosen = max(allowed, key=lambda e: (e["requests"], -e["step_seconds"]))
+    # The recommended pool through vLLM's own KVCacheManager: it must hold at
+    # least what the rule promised (more where sliding windows or recurrent
+    # state peak only while a request prefills).
+    chosen_pool = next(pool for p, pool in checked if p.ks == chosen_ks[id(chosen)])
+    applied = _applied(topology, picked, chosen_ks[id(chosen)])
+    step_tokens = chosen_pool.config.scheduler_config.max_num_batched_tokens
+    admitted = admitted_requests(applied, chosen_pool, step_tokens=step_tokens)
+    capacity = {
+        "num_blocks": chosen_pool.num_blocks,
+        "blocks_per_request": chosen_pool.blocks_per_request,
+        "predicted_requests": chosen_pool.requests,
+        "admitted_requests": admitted,
+        "step_tokens": step_tokens,
+        "holds": admitted >= chosen_pool.requests,
+    }
     return {
+        "capacity_check": capacity,
         "budget": {
             "device": budget.device,
             "gpu_memory_bytes": budget.memory_bytes,
@@ -466,7 +498,11 @@ def optimize_shard_counts(
         "objective": objective,
         "max_decode_overhead": max_decode_overhead,
         "choices": [
-            {"name": c.name, "groups": list(c.groups), "candidates": [o.k for o in opts]}
+            {
+                "name": c.name,
+                "groups": list(c.groups),
+                "candidates": [o.k for o in opts],
+            }
             for c, opts in zip(picked, per_choice, strict=True)
         ],
         "kept": [c.name for c in picked if c.fixed_k],
@@ -483,6 +519,7 @@ def _entry(
     topology: Topology,
     picked: Sequence[Choice],
     point: Point,
+    pool: Pool,
     budget: Budget,
     reference: float,
 ) -> dict[str, Any]:
@@ -491,7 +528,9 @@ def _entry(
     return {
         "shard_counts": {c.name: k for c, k in zip(picked, point.ks, strict=True)},
         "request_bytes_per_rank": point.request_bytes,
-        "requests": budget.kv_bytes // point.request_bytes,
+        "requests": pool.requests,
+        "pool_blocks": pool.num_blocks,
+        "blocks_per_request": pool.blocks_per_request,
         "collective_bytes_per_token_per_rank": point.collective_bytes,
         "step_seconds": step,
         "decode_overhead": step / reference if reference else 1.0,
@@ -511,7 +550,8 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
         f"max_model_len={topology.max_model_len:,}; per rank "
         f"{budget['kv_bytes_per_rank'] / GIB:,.1f} GiB for KV "
         f"({budget['gpu_memory_bytes'] / GIB:,.0f} GiB x "
-        f"{budget['gpu_memory_utilization']} - {budget['weight_bytes_per_rank'] / GIB:,.1f} "
+        f"{budget['gpu_memory_utilization']} - "
+        f"{budget['weight_bytes_per_rank'] / GIB:,.1f} "
         f"GiB weights{', ' + budget['device'] if budget['device'] else ''})",
         "choices (groups that take one K): "
         + "; ".join(
@@ -530,7 +570,15 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
             "collective bytes unknown (quantized cache, activation size not in the "
             "topology), counted 0: " + ", ".join(result["unknown_collective_groups"])
         )
-    header = [*names, "requests", "B/request/rank", "coll B/token", "step (model)", "vs K=max", "sched B"]
+    header = [
+        *names,
+        "requests",
+        "B/request/rank",
+        "coll B/token",
+        "step (model)",
+        "vs K=max",
+        "sched B",
+    ]
     rows = [
         [
             *(str(e["shard_counts"][n]) for n in names),
@@ -548,15 +596,18 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
     chosen = result["recommended"]
     lines += [
         "",
-        "frontier (no other admitted assignment holds more requests at a lower modeled step time):",
+        "frontier (no other admitted assignment needs fewer request bytes at a "
+        "lower modeled step time):",
         render_table(header, rows, right=set(range(len(header)))),
         "",
         "step (model): request bytes / HBM "
         f"{budget['hbm_gbps']:,.0f} GB/s + collective bytes / link "
         f"{budget['link_gbps']:,.0f} GB/s + {budget['hop_latency_us']} us per ring "
         f"step of {COLLECTIVES_PER_LAYER} collectives per DCP layer (1 per indexer), "
-        "one request per decode step; a model, not a measurement. vs K=max: against every choice at its largest admitted K. "
-        "sched B: the scheduler block (LCM of B x K; prefix-cache hits are counted in it).",
+        "one request per decode step; a model, not a measurement. requests: what "
+        "vLLM's pool for the budget holds by vLLM's rule. vs K=max: against every "
+        "choice at its largest admitted K. sched B: the scheduler block (LCM of "
+        "B x K; prefix-cache hits are counted in it).",
         f"recommended ({result['objective']}"
         + (
             f", within {result['max_decode_overhead']}x"
@@ -569,4 +620,82 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
     ]
     for reason in result["dropped_points"]:
         lines.append(f"dropped, start-up's KV-cache grouping refuses it: {reason}")
+    check = result["capacity_check"]
+    lines.append(
+        f"vLLM's pool for this budget at the recommended K: {check['num_blocks']:,} "
+        f"blocks, {check['blocks_per_request']:,} per request: holds "
+        f"{check['predicted_requests']:,} requests by vLLM's rule; its "
+        f"KVCacheManager held {check['admitted_requests']:,} at once, prefilled in "
+        f"{check['step_tokens']:,}-token chunks"
+        + ("" if check["holds"] else ": FEWER THAN vLLM'S RULE PROMISES")
+    )
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """vLLM's pool for a budget and the max-length requests its rule holds."""
+
+    num_blocks: int
+    blocks_per_request: int
+    kv_cache_config: Any
+    config: Any
+
+    @property
+    def requests(self) -> int:
+        # Every group's blocks come from one pool, less its null block.
+        return (self.num_blocks - 1) // self.blocks_per_request
+
+
+def vllm_pool(topology: Topology, backend_names: set[str], kv_bytes: int) -> Pool:
+    """Start-up's pool for ``kv_bytes`` per rank (vLLM's planner, padding
+    layers included, and its sizing) and the blocks one ``max_model_len``
+    request takes from it at its peak, summed over vLLM's groups
+    (``max_memory_usage_bytes`` per page, vLLM's concurrency rule)."""
+    from vllm_dcp_geometry.contract import cdiv
+    from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import (
+        start_up_pool,
+    )
+
+    kv_cache_config, config = start_up_pool(topology, backend_names, kv_bytes)
+    per_request = sum(
+        cdiv(
+            g.kv_cache_spec.max_memory_usage_bytes(config),
+            g.kv_cache_spec.page_size_bytes,
+        )
+        for g in kv_cache_config.kv_cache_groups
+    )
+    return Pool(kv_cache_config.num_blocks, per_request, kv_cache_config, config)
+
+
+def admitted_requests(topology: Topology, pool: Pool, *, step_tokens: int) -> int:
+    """Max-length requests vLLM's real ``KVCacheManager`` holds at once in
+    ``pool``, each prefilled in ``step_tokens`` chunks as the scheduler would
+    (stopping one past what the rule promises)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_dcp_geometry.tooling import vllm_objects
+
+    manager = vllm_objects.manager_for(
+        topology, pool.kv_cache_config, pool.config, enable_caching=False
+    ).manager
+    length = topology.max_model_len
+    admitted = 0
+    while admitted <= pool.requests:
+        request = Request(
+            f"capacity-{admitted}",
+            [0] * length,
+            SamplingParams(max_tokens=1),
+            pooling_params=None,
+        )
+        done = 0
+        while done < length:
+            chunk = min(step_tokens, length - done)
+            manager.new_step_starts()
+            if manager.allocate_slots(request, chunk) is None:
+                return admitted
+            done += chunk
+            request.num_computed_tokens = done
+        admitted += 1
+    return admitted
