@@ -237,3 +237,24 @@ def test_the_capacity_check_fails_on_an_overpromise() -> None:
     assert held >= pool.requests > 0
     wrong = dc.replace(pool, blocks_per_request=pool.blocks_per_request // 2)
     assert opt.admitted_requests(topology, wrong, step_tokens=2048) < wrong.requests
+
+
+def test_plot_draws_the_frontier(run_cli, tmp_path, monkeypatch) -> None:
+    path = tmp_path / "frontier.png"
+    code, _, err = run_cli(
+        "plan", "--optimize", "-p", "gpt-oss-tp64-dcp8", "--device", "H200",
+        "--plot", str(path),
+    )  # fmt: skip
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Without the plot extra: one line naming it, exit 2.
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _, err = run_cli(
+        "plan", "--optimize", "-p", "gpt-oss-tp64-dcp8", "--device", "H200",
+        "--plot", str(tmp_path / "none.png"),
+    )  # fmt: skip
+    assert code == 2
+    assert "pip install 'vllm-dcp-geometry[plot]'" in err
+    assert not (tmp_path / "none.png").exists()

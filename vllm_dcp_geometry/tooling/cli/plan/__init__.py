@@ -36,6 +36,7 @@ from vllm_dcp_geometry.tooling.cli.plan.optimize import (
     format_optimize,
     make_budget,
     optimize_shard_counts,
+    plot_frontier,
 )
 from vllm_dcp_geometry.tooling.cli.plan.output import format_plan
 
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         optimize.add_argument(
             flag, type=kind, default=default, metavar=metavar, help=help_text
         )
+    optimize.add_argument(
+        "--plot", metavar="FILE.png", help="draw the frontier (matplotlib)"
+    )
     optimize.add_argument(
         "--objective", choices=("capacity", "latency"), default="capacity"
     )
@@ -132,6 +136,8 @@ def _optimize(args: argparse.Namespace, topology: Any) -> int:
         **result,
         **runs.versions(),
     }
+    if args.plot:
+        plot_frontier(result, topology, args.plot)
     runs.emit(document, args.json, format_optimize(result, topology))
     # vLLM's KVCacheManager must admit what vLLM's own rule says the pool holds.
     return EXIT_OK if result["capacity_check"]["holds"] else EXIT_VIOLATION

@@ -457,6 +457,10 @@ def optimize_shard_counts(
         for point, pool in checked
     ]
     chosen_ks = {id(e): p.ks for e, (p, _) in zip(entries, checked, strict=True)}
+    # vLLM's pool counts whole requests of whole blocks (padding layers
+    # included): a point on the bytes frontier can hold no more requests than
+    # a faster one. Those are not shown or chosen.
+    entries = [e for e in entries if not any(_beats(other, e) for other in entries)]
     if objective == "latency":
         chosen = min(entries, key=lambda e: (e["step_seconds"], -e["requests"]))
     else:
@@ -513,6 +517,19 @@ def optimize_shard_counts(
         "frontier": entries,
         "recommended": chosen,
     }
+
+
+def _beats(one: dict[str, Any], other: dict[str, Any]) -> bool:
+    """``one`` holds at least as many requests at no more step time, and is
+    better in one of them."""
+    return (
+        one["requests"] >= other["requests"]
+        and one["step_seconds"] <= other["step_seconds"]
+        and (
+            one["requests"] > other["requests"]
+            or one["step_seconds"] < other["step_seconds"]
+        )
+    )
 
 
 def _entry(
@@ -596,8 +613,8 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
     chosen = result["recommended"]
     lines += [
         "",
-        "frontier (no other admitted assignment needs fewer request bytes at a "
-        "lower modeled step time):",
+        "frontier (of the assignments on the exact request-bytes / step-time "
+        "frontier, those no other holds more requests at a lower step time):",
         render_table(header, rows, right=set(range(len(header)))),
         "",
         "step (model): request bytes / HBM "
@@ -699,3 +716,51 @@ def admitted_requests(topology: Topology, pool: Pool, *, step_tokens: int) -> in
             request.num_computed_tokens = done
         admitted += 1
     return admitted
+
+
+def plot_frontier(result: dict[str, Any], topology: Topology, path: str) -> None:
+    """Capacity against modeled step time: the frontier, the point at every
+    choice's largest K and the recommended one, as an image at ``path``
+    (matplotlib, the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError as exc:
+        raise TopologyError(
+            "--plot needs matplotlib: pip install 'vllm-dcp-geometry[plot]'"
+        ) from exc
+    frontier = sorted(result["frontier"], key=lambda e: e["step_seconds"])
+    chosen = result["recommended"]
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
+    axes.plot(
+        [e["step_seconds"] * 1e3 for e in frontier],
+        [e["requests"] for e in frontier],
+        "o-",
+        label="frontier",
+    )
+    axes.axvline(
+        result["reference_step_seconds"] * 1e3,
+        linestyle=":",
+        color="grey",
+        label="every choice at its largest K",
+    )
+    axes.plot(
+        [chosen["step_seconds"] * 1e3],
+        [chosen["requests"]],
+        "*",
+        markersize=16,
+        label=f"recommended: {chosen['shard_counts']}",
+    )
+    axes.set_xlabel("modeled decode step per request (ms; a model)")
+    axes.set_ylabel(f"{topology.max_model_len:,}-token requests per rank's KV")
+    axes.set_title(f"plan --optimize {topology.name}")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    try:
+        figure.savefig(path)
+    except OSError as exc:
+        raise TopologyError(f"--plot {path}: {exc.strerror or exc}") from exc
+    finally:
+        pyplot.close(figure)
