@@ -258,3 +258,34 @@ def test_plot_draws_the_frontier(run_cli, tmp_path, monkeypatch) -> None:
     assert code == 2
     assert "pip install 'vllm-dcp-geometry[plot]'" in err
     assert not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.slow
+def test_weights_come_from_the_built_models_parameters(run_cli) -> None:
+    """``--model``: the budget's weights are the parameters vLLM built on one
+    rank (here Llama at TP16: the fused QKV projection with one replicated KV
+    head, the vocab and MLP split 16 ways), counted independently from the
+    config; ``--weight-gib`` overrides them."""
+    from vllm_dcp_geometry.tooling.topology import model_configs_dir
+
+    model = model_configs_dir() / "llama"
+    config = json.loads((model / "config.json").read_text())
+    tp, hidden, head = 16, config["hidden_size"], config["head_dim"]
+    q_heads = config["num_attention_heads"] // tp
+    per_layer = (
+        (q_heads + 2) * head * hidden  # qkv: its heads, one K and one V head
+        + hidden * q_heads * head  # o_proj
+        + 3 * (config["intermediate_size"] // tp) * hidden  # gate, up, down
+        + 2 * hidden  # the two norms
+    )
+    vocab = 2 * (config["vocab_size"] // tp) * hidden  # embedding, lm_head
+    expected = 2 * (config["num_hidden_layers"] * per_layer + vocab + hidden)
+    flags = (
+        "--model", str(model), "--tensor-parallel-size", str(tp),
+        "--decode-context-parallel-size", "2", "--device", "H200",
+    )  # fmt: skip
+    result = _optimized(run_cli, *flags)
+    assert result["budget"]["weight_bytes_per_rank"] == expected
+    assert result["budget"]["weights_from"] == "the model's parameters"
+    given = _optimized(run_cli, *flags, "--weight-gib", "1")
+    assert given["budget"]["weight_bytes_per_rank"] == 1 << 30

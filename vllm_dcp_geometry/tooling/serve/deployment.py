@@ -16,6 +16,7 @@ here, naming the layer, instead of planning another spec.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -181,9 +182,10 @@ def _check_rebuilt(topology: Any, members_by_group: dict[str, list[Any]]) -> Non
                 )
 
 
-def deployment_mapping(argv: Sequence[str]) -> dict[str, Any]:
+def deployment_mapping(argv: Sequence[str]) -> tuple[dict[str, Any], int]:
     """In a planning process: the topology mapping of the model and serve
-    flags ``argv``, checked against the specs vLLM built."""
+    flags ``argv``, checked against the specs vLLM built, and the built
+    models' parameter bytes per rank."""
     from vllm_dcp_geometry.tooling.serve import prepare_planning
 
     prepare_planning()
@@ -197,7 +199,7 @@ def deployment_mapping(argv: Sequence[str]) -> dict[str, Any]:
 
     vllm_dcp_geometry.register()
     config = engine_config(argv)
-    layers = collect_kv_cache_specs(config)
+    layers, weight_bytes = collect_kv_cache_specs(config)
     try:
         groups = kv_cache_groups(config, layers)
     except (ValueError, AssertionError, NotImplementedError) as exc:
@@ -210,7 +212,7 @@ def deployment_mapping(argv: Sequence[str]) -> dict[str, Any]:
     mapping = _topology_mapping(config, [entry for entry, _ in entries])
     topology = topology_from_mapping(mapping, source=MODEL_SOURCE)
     _check_rebuilt(topology, {e["name"]: m for e, m in entries})
-    return mapping
+    return mapping, weight_bytes
 
 
 def _topology_mapping(config: Any, groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -268,13 +270,20 @@ def model_topology(argv: Sequence[str]) -> Any:
         ) from exc
     if "error" in result:
         raise TopologyError(result["error"])
-    return topology_from_mapping(result["topology"], source=MODEL_SOURCE)
+    topology = topology_from_mapping(result["topology"], source=MODEL_SOURCE)
+    return dataclasses.replace(
+        topology, weight_bytes_per_rank=result["weight_bytes_per_rank"]
+    )
 
 
 def planning_main(argv: Sequence[str]) -> int:
     """The planning process: one JSON line, the topology or the error."""
     try:
-        document: dict[str, Any] = {"topology": deployment_mapping(argv)}
+        mapping, weight_bytes = deployment_mapping(argv)
+        document: dict[str, Any] = {
+            "topology": mapping,
+            "weight_bytes_per_rank": weight_bytes,
+        }
     except TopologyError as exc:
         document = {"error": str(exc)}
     sys.stdout.flush()

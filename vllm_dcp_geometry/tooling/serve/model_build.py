@@ -105,13 +105,13 @@ def _attention_layers(vllm_config: Any) -> dict[str, Any]:
     return dict(get_layers_from_vllm_config(vllm_config, AttentionLayerBase))  # type: ignore[type-abstract]
 
 
-def _load_draft(target: Any, vllm_config: Any) -> None:
+def _load_draft(target: Any, vllm_config: Any) -> Any:
     """The draft model of ``--speculative-config``, loaded by the loader the
     worker's model runner uses for its method (so the draft gets its
     backend, parallel layout and flags exactly as at start-up)."""
     spec = vllm_config.speculative_config
     if spec is None or spec.draft_model_config is None:
-        return
+        return None
     if vllm_config.use_v2_model_runner:
         from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
         from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
@@ -128,7 +128,7 @@ def _load_draft(target: Any, vllm_config: Any) -> None:
             f"--speculative-config method {spec.method!r}: planning builds "
             "EAGLE/MTP, DFlash and DSpark drafts only"
         )
-    loader(target, vllm_config)
+    return loader(target, vllm_config)
 
 
 def _v1_loader(spec: Any) -> Any:
@@ -145,17 +145,33 @@ def _v1_loader(spec: Any) -> Any:
     return load
 
 
-def _build(vllm_config: Any) -> None:
+def _build(vllm_config: Any) -> list[Any]:
     """Target, then draft; the draft's layers marked as the runner marks
-    them (every attention layer the draft added)."""
+    them (every attention layer the draft added). The models built."""
+    import torch
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    target = initialize_model(vllm_config=vllm_config)
+    # In the model's dtype, as vLLM's loader builds it (load_model).
+    with set_default_torch_dtype(vllm_config.model_config.dtype):
+        target = initialize_model(vllm_config=vllm_config)
     target_layers = set(_attention_layers(vllm_config))
-    _load_draft(target, vllm_config)
+    draft = _load_draft(target, vllm_config)
     for name, layer in _attention_layers(vllm_config).items():
         if name not in target_layers:
             layer.is_draft_layer = True
+    return [m for m in (target, draft) if isinstance(m, torch.nn.Module)]
+
+
+def parameter_bytes(models: list[Any]) -> int:
+    """Bytes of the models' parameters on one rank, as vLLM shards them
+    (meta tensors: shapes and dtypes, no storage); a parameter the draft
+    shares with the target counts once."""
+    seen: dict[int, int] = {}
+    for model in models:
+        for parameter in model.parameters():
+            seen.setdefault(id(parameter), parameter.numel() * parameter.element_size())
+    return sum(seen.values())
 
 
 def _build_error(vllm_config: Any, exc: Exception) -> TopologyError:
@@ -179,9 +195,10 @@ def _build_error(vllm_config: Any, exc: Exception) -> TopologyError:
     )
 
 
-def collect_kv_cache_specs(vllm_config: Any) -> list[CollectedLayer]:
+def collect_kv_cache_specs(vllm_config: Any) -> tuple[list[CollectedLayer], int]:
     """Build the model (and its draft) on the meta device and collect every
-    attention layer's KV-cache spec as a worker's runner does."""
+    attention layer's KV-cache spec as a worker's runner does; and the
+    bytes of the built models' parameters on one rank."""
     import torch
     import vllm.platforms
     from vllm.config import set_current_vllm_config
@@ -194,7 +211,7 @@ def collect_kv_cache_specs(vllm_config: Any) -> list[CollectedLayer]:
     with set_current_vllm_config(vllm_config), torch.device("meta"):
         try:
             with ops_bound_not_run():
-                _build(vllm_config)
+                models = _build(vllm_config)
         except TopologyError:
             raise
         except Exception as exc:
@@ -203,7 +220,7 @@ def collect_kv_cache_specs(vllm_config: Any) -> list[CollectedLayer]:
         runner = SimpleNamespace(vllm_config=vllm_config, shared_kv_cache_layers={})
         specs = GPUModelRunner.get_kv_cache_spec(runner)  # type: ignore[arg-type]
     layers = _attention_layers(vllm_config)
-    return [
+    collected = [
         CollectedLayer(
             name=name,
             spec=spec,
@@ -213,6 +230,7 @@ def collect_kv_cache_specs(vllm_config: Any) -> list[CollectedLayer]:
         )
         for name, spec in specs.items()
     ]
+    return collected, parameter_bytes(models)
 
 
 def kv_cache_groups(vllm_config: Any, layers: list[CollectedLayer]) -> list[Any]:

@@ -160,6 +160,9 @@ class Topology:
     replay_step_tokens: int | None = None
     description: str = ""
     source: str = ""
+    weight_bytes_per_rank: int | None = None
+    """The parameters of the model vLLM built, per rank (``--model`` only: a
+    topology file states no weights, and none is written to one)."""
 
     @property
     def num_layers(self) -> int:

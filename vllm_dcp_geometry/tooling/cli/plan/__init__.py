@@ -119,7 +119,8 @@ def _optimize(args: argparse.Namespace, topology: Any) -> int:
         **{
             flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
             for flag, *_ in BUDGET_FLAGS
-        }
+        },
+        model_weight_bytes=topology.weight_bytes_per_rank,
     )
     result = optimize_shard_counts(
         topology,

@@ -77,7 +77,14 @@ BUDGET_FLAGS: tuple[tuple[str, Any, Any, str | None, str], ...] = (
     ("--device", str, None, "NAME", f"GPU figures: {', '.join(DEVICES)}"),
     ("--gpu-memory-gib", float, None, "GIB", "memory per GPU"),
     ("--gpu-memory-utilization", float, 0.9, None, "as vLLM reads it (0.9)"),
-    ("--weight-gib", float, 0.0, "GIB", "weights and other non-KV memory per rank"),
+    (
+        "--weight-gib",
+        float,
+        None,
+        "GIB",
+        "weights and other non-KV memory per rank (default: --model's "
+        "parameters, else 0)",
+    ),
     ("--hbm-gbps", float, None, "GB/S", "HBM bandwidth per GPU"),
     ("--link-gbps", float, None, "GB/S", "GPU-to-GPU bandwidth per direction"),
     ("--hop-latency-us", float, 5.0, "US", "latency of one ring step (5)"),
@@ -95,6 +102,7 @@ class Budget:
     link_gbps: float
     hop_latency_us: float
     device: str | None
+    weights_from: str = "--weight-gib"
 
     @property
     def kv_bytes(self) -> int:
@@ -106,10 +114,11 @@ def make_budget(
     device: str | None,
     gpu_memory_gib: float | None,
     gpu_memory_utilization: float,
-    weight_gib: float,
+    weight_gib: float | None,
     hbm_gbps: float | None,
     link_gbps: float | None,
     hop_latency_us: float = 5.0,
+    model_weight_bytes: int | None = None,
 ) -> Budget:
     """The budget from a device name and/or explicit figures; bad input
     raises ``TopologyError`` with one line."""
@@ -148,7 +157,16 @@ def make_budget(
     budget = Budget(
         memory_bytes=int(float(memory) * GIB),  # type: ignore[arg-type]
         utilization=utilization,
-        weight_bytes=int(weight_gib * GIB),
+        weight_bytes=(
+            int(weight_gib * GIB) if weight_gib is not None else model_weight_bytes or 0
+        ),
+        weights_from=(
+            "--weight-gib"
+            if weight_gib is not None
+            else "the model's parameters"
+            if model_weight_bytes
+            else "none given"
+        ),
         hbm_gbps=float(hbm),  # type: ignore[arg-type]
         link_gbps=float(link),  # type: ignore[arg-type]
         hop_latency_us=hop_latency_us,
@@ -156,8 +174,9 @@ def make_budget(
     )
     if budget.kv_bytes <= 0:
         raise TopologyError(
-            f"the weights ({weight_gib} GiB per rank) leave no KV memory in "
-            f"{memory} GiB x {utilization}"
+            f"the weights ({budget.weight_bytes / GIB:,.1f} GiB per rank, "
+            f"{budget.weights_from}) leave no KV memory in {memory} GiB x "
+            f"{utilization}"
         )
     return budget
 
@@ -494,6 +513,7 @@ def optimize_shard_counts(
             "gpu_memory_bytes": budget.memory_bytes,
             "gpu_memory_utilization": budget.utilization,
             "weight_bytes_per_rank": budget.weight_bytes,
+            "weights_from": budget.weights_from,
             "kv_bytes_per_rank": budget.kv_bytes,
             "hbm_gbps": budget.hbm_gbps,
             "link_gbps": budget.link_gbps,
@@ -569,7 +589,8 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
         f"({budget['gpu_memory_bytes'] / GIB:,.0f} GiB x "
         f"{budget['gpu_memory_utilization']} - "
         f"{budget['weight_bytes_per_rank'] / GIB:,.1f} "
-        f"GiB weights{', ' + budget['device'] if budget['device'] else ''})",
+        f"GiB weights from {budget['weights_from']}"
+        f"{', ' + budget['device'] if budget['device'] else ''})",
         "choices (groups that take one K): "
         + "; ".join(
             f"{c['name']} ({', '.join(c['groups'])}): K in {c['candidates']}"
