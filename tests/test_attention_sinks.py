@@ -119,3 +119,10 @@ def test_a_changed_kernel_contract_fails_loudly() -> None:
         copying(k=keys, out=torch.ones(1, 1, 1), return_softmax_lse=True)
     assert lse.item() == pytest.approx(math.log(2))
     assert out.item() == pytest.approx(0.5)
+    # A DCP path whose new-token call no longer gets the keys it was given
+    # (a copy, say) would fold nothing: that fails loudly, not silently.
+    with (
+        pytest.raises(UpstreamChangedError, match="step's own keys"),
+        folding.folding(keys, torch.zeros(1)),
+    ):
+        folding(k=keys.clone(), out=out, return_softmax_lse=True)

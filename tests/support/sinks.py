@@ -204,19 +204,31 @@ class PerRankWorkspace:
 
 
 def _spec(setup: Setup, dcp: int, shard_count: int) -> Any:
+    """A full-attention spec with the DCP fields an override of K writes
+    (the contract's ``target_geometry``, as start-up applies it)."""
+    import dataclasses as dc
+
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    fields: dict[str, Any] = {}
-    if shard_count == 1:
-        fields["dcp_sharded"] = False
-    elif shard_count != dcp:
-        fields["dcp_kv_shard_count"] = shard_count
+    from vllm_dcp_geometry.contract.overrides import (
+        LayerKind,
+        LayerOverride,
+        target_geometry,
+    )
+
+    geometry = target_geometry(
+        "sinks",
+        LayerOverride("sinks", shard_count),
+        LayerKind.FULL_ATTENTION,
+        dcp_world_size=dcp,
+    )
+    assert geometry is not None
     return FullAttentionSpec(
         block_size=setup.block_size,
         num_kv_heads=1,
         head_size=setup.head_size,
         dtype=setup.dtype,
-        **fields,
+        **dc.asdict(geometry),
     )
 
 

@@ -67,22 +67,32 @@ class SinkFoldingKernel:
 
     @contextmanager
     def folding(self, new_keys: Any, sinks: torch.Tensor) -> Iterator[None]:
+        """Fold ``sinks`` into this thread's calls on ``new_keys`` within;
+        a DCP path that made no such call (its new-token attention no longer
+        hands the kernel the keys it was given) is an upstream change."""
         saved = getattr(self._fold, "state", None)
-        self._fold.state = (new_keys, sinks)
+        state = [new_keys, sinks, 0]
+        self._fold.state = state
         try:
             yield
         finally:
             self._fold.state = saved
+        if state[2] == 0:
+            raise UpstreamChangedError(
+                "FlashAttention's DCP path ran no attention over the step's own "
+                "keys, into which attention sinks are folded"
+            )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self.kernel(*args, **kwargs)
         state = getattr(self._fold, "state", None)
         if state is None:
             return result
-        new_keys, sinks = state
+        new_keys, sinks, _ = state
         keys = kwargs["k"] if "k" in kwargs else args[1] if len(args) > 1 else None
         if keys is not new_keys:
             return result
+        state[2] += 1
         if kwargs.get("return_softmax_lse") is not True:
             raise UpstreamChangedError(
                 "FlashAttention's DCP path no longer asks its new-token "
@@ -103,7 +113,10 @@ _INSTALL_LOCK = threading.Lock()
 def sink_folding_kernel(module: ModuleType, name: str) -> SinkFoldingKernel:
     """The ``SinkFoldingKernel`` around ``module.<name>``, installed there the
     first time a layer with sinks needs it (a model without sinks never
-    changes the module)."""
+    changes the module); once installed, no lock is taken."""
+    kernel = getattr(module, name)
+    if isinstance(kernel, SinkFoldingKernel):
+        return kernel
     with _INSTALL_LOCK:
         kernel = getattr(module, name)
         if not isinstance(kernel, SinkFoldingKernel):

@@ -14,7 +14,8 @@ group raises ``DcpGeometryError`` naming the group, layer, layer class,
 backend, K and D; ``vllm-dcp-geometry plan`` prints the same decision.
 Groups with vLLM's default K = D, or D = 1, go straight to upstream, except
 on a backend whose DCP path drops attention features a layer may use
-(FLASH_ATTN: the mask_mods), where upstream is wrong for such a layer.
+(FLASH_ATTN: the mask_mods; FLASHINFER: sinks), where upstream is wrong
+for such a layer.
 
 Why: a backend the plugin has not taught a group's K reads every cache with
 vLLM's own geometry (the global D for MLA and most backends); running it on a
