@@ -223,3 +223,30 @@ def test_recorded_results_are_well_formed_and_current(path: Path) -> None:
         for key in ("contract_bytes", "minimum_bytes", "single_width_bytes"):
             assert recorded[key] == fresh[key], (recorded["profile"], key)
     assert history == ["kimi-k3-tp16-dcp16", "mamba-hybrid-tp4-dcp4"]
+
+
+def test_the_optimize_search_benchmark_merges_instead_of_enumerating() -> None:
+    """Eight groups of three admitted K: 6,561 assignments, a few dozen plans
+    (each choice's candidates, the topology, the frontier's points)."""
+    from benchmarks import optimize_search
+
+    topology = optimize_search.wide_topology(groups=8, dcp=4)
+    row = optimize_search.measure(topology)
+    assert (row["choices"], row["candidates"], row["assignments"]) == (8, 24, 3**8)
+    assert row["frontier_points"] >= 1
+    assert 8 * 3 + 1 + row["frontier_points"] <= row["plans_run"] < 100
+    assert 0 < row["seconds_in_plans"] <= row["search_seconds"]
+    assert row["capacity_holds"]
+
+
+def test_the_recorded_optimize_search_is_the_benchmarks_shape() -> None:
+    recorded = json.loads(
+        (RESULTS_DIR / "2026-12-04-optimize-search.json").read_text(encoding="utf-8")
+    )
+    rows = {row["topology"]: row for row in recorded["rows"]}
+    assert set(rows) == {"kimi-k3-tp16-dcp16", "mla-60-groups-dcp32"}
+    assert rows["kimi-k3-tp16-dcp16"]["assignments"] == 5**5
+    assert rows["mla-60-groups-dcp32"]["assignments"] == 6**60
+    for row in rows.values():
+        assert row["plans_run"] < 1000
+        assert row["capacity_holds"]

@@ -226,6 +226,47 @@ def test_bad_input_exits_2_with_one_line(run_cli, flags: list[str], words: str) 
     assert words in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ("-p gpt-oss-tp32-dcp4 --shard-counts 3", "must divide"),
+        # FLASHINFER keeps gpt-oss's sinks at K = 1 only: nothing listed is left.
+        (
+            "-p gpt-oss-tp32-dcp4 --attention-backend FLASHINFER --shard-counts 2,4",
+            "admits none of them for any group (sliding: K = 1; full: K = 1)",
+        ),
+        # TRITON_ATTN admits K = 1 and K = D only.
+        (
+            "-p partial-shard-tp8-dcp8 --attention-backend TRITON_ATTN --shard-counts 2,4",
+            "admits none of them for",
+        ),
+    ],
+)
+def test_a_k_list_start_up_refuses_exits_2(run_cli, flags: str, words: str) -> None:
+    code, out, err = run_cli("plan", "--optimize", "--device", "H200", *flags.split())
+    assert (code, out) == (2, "")
+    assert len(err.strip().splitlines()) == 1
+    assert words in err
+
+
+def test_a_k_list_limits_every_choice_with_a_choice(run_cli) -> None:
+    """``--shard-counts 1,4`` leaves only those K where a choice has more
+    than one; a choice admitted at one K only keeps it."""
+    full = _optimized(run_cli, "-p", "partial-shard-tp8-dcp8", "--device", "H200")
+    limited = _optimized(
+        run_cli, "-p", "partial-shard-tp8-dcp8", "--device", "H200",
+        "--shard-counts", "1,4",
+    )  # fmt: skip
+    for whole, part in zip(full["choices"], limited["choices"], strict=True):
+        expected = [k for k in whole["candidates"] if k in (1, 4)]
+        assert part["candidates"] == (expected or whole["candidates"])
+    assert any(len(c["candidates"]) > 1 for c in limited["choices"])
+    assert {k for e in limited["frontier"] for k in e["shard_counts"].values()} <= {
+        1,
+        4,
+    }
+
+
 def test_the_capacity_check_fails_on_an_overpromise() -> None:
     """A pool that claims more requests than it holds (a rule that counts one
     block per request) is caught by vLLM's KVCacheManager."""

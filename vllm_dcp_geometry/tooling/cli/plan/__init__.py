@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--objective", choices=("capacity", "latency"), default="capacity"
     )
     optimize.add_argument(
+        "--shard-counts",
+        type=_shard_counts,
+        metavar="K,K,...",
+        help="candidate K for every chosen group (default: every divisor of "
+        "D); drafts keep theirs",
+    )
+    optimize.add_argument(
         "--max-decode-overhead",
         type=float,
         default=1.10,
@@ -88,6 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="capacity objective: modeled step time at most this times every "
         "group's largest K (default 1.10)",
     )
+
+
+def _shard_counts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}"
+        ) from None
 
 
 def command(args: argparse.Namespace) -> int:
@@ -129,6 +145,7 @@ def _optimize(args: argparse.Namespace, topology: Any) -> int:
         max_decode_overhead=args.max_decode_overhead,
         attention_backend=args.attention_backend,
         draft_attention_backend=check_draft_attention_backend(args.speculative_config),
+        shard_counts=args.shard_counts,
     )
     document = {
         "command": "plan --optimize",

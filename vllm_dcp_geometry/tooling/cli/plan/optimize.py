@@ -283,6 +283,20 @@ def additional_config(
     return {CONFIG_KEY: {"layers": layers}}
 
 
+def candidate_shard_counts(dcp: int, wanted: Sequence[int] | None) -> list[int]:
+    """Every divisor of D, or the operator's list (each must divide D)."""
+    divisors = [k for k in range(1, dcp + 1) if dcp % k == 0]
+    if wanted is None:
+        return divisors
+    bad = sorted({k for k in wanted if k not in divisors})
+    if bad or not wanted:
+        raise TopologyError(
+            f"--shard-counts {','.join(map(str, wanted))}: every K must divide "
+            f"the DCP world size {dcp} ({', '.join(map(str, divisors))})"
+        )
+    return sorted(set(wanted))
+
+
 def _options(
     topology: Topology,
     choice: Choice,
@@ -292,11 +306,7 @@ def _options(
     dcp = topology.decode_context_parallel_size
     roles = {g.name: g.spec_fields.get("cache_role") for g in topology.groups}
     options = []
-    ks = (
-        [choice.fixed_k]
-        if choice.fixed_k
-        else [k for k in range(1, dcp + 1) if dcp % k == 0]
-    )
+    ks = [choice.fixed_k] if choice.fixed_k else candidate_shard_counts(dcp, None)
     for k in ks:
         try:
             candidate = _applied(topology, [choice], [k])
@@ -338,6 +348,43 @@ def _options(
     if not options:
         raise TopologyError(f"--optimize: no K is admitted for {choice.name}")
     return options
+
+
+def restricted(
+    picked: Sequence[Choice],
+    per_choice: Sequence[list[Option]],
+    dcp: int,
+    wanted: Sequence[int] | None,
+) -> list[list[Option]]:
+    """Each choice's admitted options within ``--shard-counts``. A choice
+    start-up admits at one K only (a draft, a sliding window, a backend that
+    refuses DCP) keeps that K; a list no choice admits is bad input."""
+    if wanted is None:
+        return list(per_choice)
+    candidates = candidate_shard_counts(dcp, wanted)
+    listed = ",".join(map(str, candidates))
+    result, matched = [], False
+    for choice, options in zip(picked, per_choice, strict=True):
+        kept = [o for o in options if o.k in candidates]
+        if len(options) > 1 and not kept:
+            admitted = ", ".join(str(o.k) for o in options)
+            raise TopologyError(
+                f"--shard-counts {listed}: start-up admits none of them for "
+                f"{choice.name} (it admits K = {admitted})"
+            )
+        matched |= bool(kept) and choice.fixed_k is None
+        result.append(kept or options)
+    if not matched:
+        admitted = "; ".join(
+            f"{c.name}: K = {', '.join(str(o.k) for o in options)}"
+            for c, options in zip(picked, per_choice, strict=True)
+            if c.fixed_k is None
+        )
+        raise TopologyError(
+            f"--shard-counts {listed}: start-up admits none of them for any "
+            f"group ({admitted})"
+        )
+    return result
 
 
 COLLECTIVES_PER_LAYER = 3
@@ -406,8 +453,10 @@ def optimize_shard_counts(
     max_decode_overhead: float,
     attention_backend: str | None,
     draft_attention_backend: str | None,
+    shard_counts: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The frontier, the recommended point and its line, as JSON."""
+    """The frontier, the recommended point and its line, as JSON;
+    ``shard_counts`` limits the candidate K of every chosen group."""
     from vllm_dcp_geometry.tooling.cli.plan.document import build_plan
 
     def plan_of(candidate: Topology) -> dict[str, Any]:
@@ -423,7 +472,12 @@ def optimize_shard_counts(
             "--optimize: the topology has no target attention group to choose K for"
         )
     refused: list[str] = []
-    per_choice = [_options(topology, c, plan_of, refused) for c in picked]
+    per_choice = restricted(
+        picked,
+        [_options(topology, c, plan_of, refused) for c in picked],
+        topology.decode_context_parallel_size,
+        shard_counts,
+    )
     rows = {row["name"]: row for row in plan_of(topology)["groups"]}
     chosen_groups = {name for c in picked for name in c.groups}
     fixed_rows = [r for name, r in rows.items() if name not in chosen_groups]
