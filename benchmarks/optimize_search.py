@@ -73,8 +73,7 @@ def wide_topology(groups: int = WIDE_GROUPS, dcp: int = WIDE_DCP) -> Topology:
 
 def measure(topology: Topology) -> dict[str, Any]:
     from vllm_dcp_geometry.tooling.cli.common import runs
-    from vllm_dcp_geometry.tooling.cli.plan import optimize
-    from vllm_dcp_geometry.tooling.cli.plan import document
+    from vllm_dcp_geometry.tooling.cli.plan import document, optimize
     from vllm_dcp_geometry.tooling.cli.plan.document import build_plan
 
     runs.prepare_vllm(argparse.Namespace(), patched=True)
@@ -138,8 +137,18 @@ def measure(topology: Topology) -> dict[str, Any]:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     return render_table(
-        ["topology", "D", "choices", "assignments", "plans run", "frontier"]
-        + ["search s", "in plans s", "one plan s", "search / plan"],
+        [
+            "topology",
+            "D",
+            "choices",
+            "assignments",
+            "plans run",
+            "frontier",
+            "search s",
+            "in plans s",
+            "one plan s",
+            "search / plan",
+        ],
         [
             [
                 r["topology"],

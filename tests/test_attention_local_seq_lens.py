@@ -169,8 +169,15 @@ def test_flashinfer_local_lengths_follow_the_group(dcp: int) -> None:
 
 
 @pytest.mark.usefixtures("cpu_platform")
-def test_partial_builder_is_bound_to_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An impl serves one group: binding it to a second geometry is an error."""
+def test_partial_builder_is_bound_to_its_group(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An impl serves one group: binding it to a second geometry is an error.
+    The start-up log says why the partial group keeps the D-wide path."""
+    import logging
+
+    from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
+
     from vllm.v1.attention.backends.flash_attn import (
         FlashAttentionBackend,
         FlashAttentionMetadataBuilder,
@@ -182,11 +189,20 @@ def test_partial_builder_is_bound_to_its_group(monkeypatch: pytest.MonkeyPatch) 
     set_dcp_group(monkeypatch, 8, 5)
     name = "model.layers.0.self_attn.attn"
     make_attention_layer(vllm_config, name, FlashAttentionBackend)
-    builder = FlashAttentionMetadataBuilder(
-        full_attention_spec(BLOCK_SIZE, 4), [name], vllm_config, torch.device("cpu")
-    )
+    with caplog.at_level(logging.INFO, logger="vllm_dcp_geometry"):
+        builder = FlashAttentionMetadataBuilder(
+            full_attention_spec(BLOCK_SIZE, 4),
+            [name],
+            vllm_config,
+            torch.device("cpu"),
+        )
     geometry = getattr(builder, BOUND_GEOMETRY_ATTR)
     assert (geometry.shard, geometry.replica) == (1, 1)
+    said = [r.getMessage() for r in caplog.records if "D-wide" in r.getMessage()]
+    assert said == [
+        f"{geometry.describe()}: FlashAttentionMetadataBuilder keeps the D-wide "
+        f"collectives: {D_WIDE_PARTIAL_REASON}"
+    ]
     # A second builder of the same group (ubatching) binds idempotently.
     FlashAttentionMetadataBuilder(
         full_attention_spec(BLOCK_SIZE, 4), [name], vllm_config, torch.device("cpu")

@@ -372,27 +372,28 @@ def test_the_rest_applies_without_each_removal_group() -> None:
 
     groups = removal_groups()
     assert (PREFIX + "worker.block_table", PREFIX + "worker.gpu_model_runner") in groups
+    # The MLA patches: dense and sparse MLA, their DCP manager and replica
+    # groups, and the DSA indexer (its merge and call share the replica).
     mla = tuple(
         sorted(
             PREFIX + p
             for p in (
+                "worker.deepseek_v32_attention",
                 "worker.flashmla_sparse",
                 "worker.gpu_worker",
                 "worker.kimi_k3_mla",
                 "worker.mla_attention",
                 "worker.mla_dcp_manager",
+                "worker.mla_indexer",
                 "worker.parallel_state",
+                "worker.sparse_attn_indexer",
                 "worker.sparse_mla_attention",
             )
         )
     )
-    indexer = (
-        PREFIX + "worker.deepseek_v32_attention",
-        PREFIX + "worker.sparse_attn_indexer",
-    )
-    assert mla in groups and indexer in groups
-    # The two runner pairs, the MLA seven and the indexer pair; the rest alone.
-    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 6 - 1
+    assert mla in groups
+    # The two runner pairs and the MLA ten; the rest alone.
+    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 9
 
     def applied_without(group: tuple[str, ...]) -> list[str]:
         return run_fresh_python(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.tooling.topology import (
     TopologyError,
@@ -123,6 +124,26 @@ def test_flash_attention_partial_group_stays_d_wide(capsys):
     assert k4["dcp_group_bytes_per_rank_per_token"] == expected
     assert groups["attn.k8"]["collective_world_size"] == 8
     assert groups["draft"]["collective_world_size"] == 1
+    # Said why, for the partial group only (the others have nothing to keep).
+    assert k4["d_wide_reason"] == D_WIDE_PARTIAL_REASON
+    assert [n for n, g in groups.items() if g["d_wide_reason"]] == ["attn.k4"]
+    assert main(["plan", "--profile", "partial-shard-tp8-dcp8"]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert (
+        "D-wide although partial_collectives=replica (FLASH_ATTN: "
+        f"{D_WIDE_PARTIAL_REASON}): attn.k4"
+    ) in text
+
+
+def test_choosing_the_d_wide_group_needs_no_reason(capsys, tmp_path):
+    path = profile_toml(
+        "partial-shard-tp8-dcp8",
+        tmp_path,
+        **{"[parallel]\n": '[parallel]\npartial_collectives = "dcp"\n'},
+    )
+    groups = plan_groups(capsys, "-t", path)
+    assert groups["attn.k4"]["collective_world_size"] == 8
+    assert not any(g["d_wide_reason"] for g in groups.values())
 
 
 def test_text_output_has_a_cost_table(capsys):
@@ -175,11 +196,13 @@ def test_quantized_caches_and_indexers_get_no_bytes(capsys):
         g = groups[name]
         assert g["decode_collective_bytes_per_rank_per_token"] is None
         assert g["decode_collective_bytes_reason"]
-    # FLASHMLA_SPARSE's partial groups stay on the D-wide group (rule A6
-    # covers the dense MLA backends only).
+    # Sparse MLA and its indexer collective within their replica (rule A6):
+    # 4 ranks of the 8, one rank's work; the D-wide option is 8 and twice it.
     assert groups["latent.k4"]["attention_backend"] == "FLASHMLA_SPARSE"
-    assert groups["latent.k4"]["collective_world_size"] == 8
-    assert groups["latent.k4"]["attention_work_vs_sharded"] == 2.0
+    for name in ("latent.k4", "indexer.k4"):
+        assert groups[name]["collective_world_size"] == 4
+        assert groups[name]["attention_work_vs_sharded"] == 1.0
+        assert groups[name]["dcp_group_attention_work_vs_sharded"] == 2.0
     assert "fp8_ds_mla" in groups["latent.k4"]["decode_collective_bytes_reason"]
     assert "indexer" in groups["indexer.k4"]["decode_collective_bytes_reason"]
 

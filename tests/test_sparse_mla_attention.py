@@ -6,7 +6,7 @@ to end on D simulated ranks (``tests.support.sparse_mla.run_sparse_case``).
 Per rank, every step vLLM's own code where it runs on CPU: the indexer call
 through the plugin's DeepSeek-V3.2 call wrapper (around a stand-in of the
 CUDA-only indexer op that scores the rank's own shard), vLLM's top-k merge
-(patched; real pack kernel, D-rank all-gather, CuteDSL selector stood in),
+(patched; real pack kernel, the all-gather, CuteDSL selector stood in),
 then the layer's DCP steps: the query all-gather where the impl's world is
 > 1, the impl's ``forward_mqa`` as bound by ``layer_binding.bind_group_layers``
 (upstream's ``SparseMLACommonImpl.forward_mqa``: vLLM's
@@ -16,16 +16,21 @@ vLLM's Triton sparse MLA kernel over the rank's own paged cache (K
 geometry, every unowned slot NaN) with its output stored in fp32 (generated
 from the installed kernel, only the store changed), and the layer's
 ``MLADCPManager`` combine (``cp_lse_ag_out_rs``, the real
-``correct_attn_out``), replica-masked by ``impl_binding.mask_combine``.
-K = 1 runs local: no query gather, no merge, no combine.
+``correct_attn_out``). A partial K runs within its replica (rule A6, the
+default: the indexer cache and the layer bound in simulated replica groups,
+the merge gathering K x top-k candidates, the layer's replica manager
+gathering queries and combining over K ranks) and on the D-wide group
+(``partial_collectives: "dcp"``: D x top-k candidates, the combine
+replica-masked by ``impl_binding.mask_combine``). K = 1 runs local: no
+query gather, no merge, no combine.
 
 Every rank is held to the same kernel on one device over the whole cache
 (<= 1e-5) and to float64 sparse attention (<= 1e-5, the kernel's own
 single-device error is about 1e-6); output and LSE. Negative controls: the
-unwrapped merge selects ids twice, the unmasked combine shifts the LSE by
-ln(D/K).
+unwrapped merge selects ids twice, so does a replica-mode merge gathering
+over all D ranks, and the unmasked D-wide combine shifts the LSE by ln(D/K).
 
-About 30 s on 2 cores.
+About 45 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ pytestmark = pytest.mark.patches(
 )
 
 B = CPU_SPARSE.block_size
+# partial_collectives changes only partial groups: both for them.
 GRID = [
-    (dcp, k, interleave)
+    (dcp, k, interleave, collectives)
     for dcp in (2, 4)
     for k in divisors(dcp)
     for interleave in (1, B)
+    for collectives in (("replica", "dcp") if 1 < k < dcp else ("replica",))
 ]
 
 
@@ -66,21 +73,29 @@ def _seed(dcp: int, k: int, interleave: int) -> int:
     return 100 * dcp + 10 * k + interleave
 
 
-@pytest.mark.parametrize(("dcp", "k", "interleave"), GRID)
+@pytest.mark.parametrize(("dcp", "k", "interleave", "collectives"), GRID)
 def test_sparse_attention_on_every_rank_is_single_device(
-    dcp: int, k: int, interleave: int
+    dcp: int, k: int, interleave: int, collectives: str
 ) -> None:
-    report = run_sparse_case(dcp, k, interleave, seed=_seed(dcp, k, interleave))
+    partial = 1 < k < dcp
+    report = run_sparse_case(
+        dcp, k, interleave, seed=_seed(dcp, k, interleave), collectives=collectives
+    )
     worst = evaluate_sparse_case(report, k)
     assert all(worst["selections_ok"]), worst
     assert worst["single_f64"] <= FP32_TOLERANCE, worst
     for key in ("out_single", "out_f64", "lse_f64"):
         assert worst[key] <= FP32_TOLERANCE, (key, worst)
     # What the layer and the indexer op were handed: the impl's world (1 for
-    # a local group, D otherwise) and the indexer's shard world (K, r % K).
-    partial = 1 < k < dcp
+    # a local group, K within its replica, D otherwise) and the indexer's
+    # shard world (K, r % K); the merge gathered K x top-k candidates per row
+    # within the replica, D x top-k on the D-wide group.
+    world = k if collectives == "replica" and partial else (1 if k == 1 else dcp)
+    assert report["gathered_widths"] == [world * CPU_SPARSE.topk] * (
+        0 if k == 1 else dcp
+    )
     for r, result in enumerate(report["ranks"]):
-        assert result.impl_world == (1 if k == 1 else dcp)
+        assert result.impl_world == world
         call = report["indexer_calls"][r]
         assert (call.dcp_world_size, call.dcp_rank) == (k, r % k)
         assert (call.indexer_geometry is not None) == partial
@@ -93,11 +108,25 @@ def test_the_unwrapped_merge_gives_a_wrong_output() -> None:
     """vLLM's own merge on a partial indexer cache (D=4, K=2): both replicas
     of each shard send their candidates, repeated ids displace real tokens,
     the attention reads the wrong tokens."""
-    report = run_sparse_case(4, 2, 1, seed=_seed(4, 2, 1), mask_merge=False)
+    report = run_sparse_case(
+        4, 2, 1, seed=_seed(4, 2, 1), mask_merge=False, collectives="dcp"
+    )
     worst = evaluate_sparse_case(report, 2)
     assert not any(worst["selections_ok"]), worst
     assert all(has_repeated_ids(result.selection) for result in report["ranks"])
     assert worst["out_single"] > 1e-2 and worst["out_f64"] > 1e-2, worst
+
+
+def test_a_merge_gathering_d_wide_in_replica_mode_is_wrong() -> None:
+    """Within its replica the merge sends every replica's candidates (none
+    masked): gathered over all D ranks instead (the module's
+    ``get_dcp_group`` unwrapped), each shard arrives D/K times and repeated
+    ids displace real tokens."""
+    report = run_sparse_case(4, 2, 1, seed=_seed(4, 2, 1), merge_in_replica=False)
+    worst = evaluate_sparse_case(report, 2)
+    assert report["gathered_widths"] == [4 * CPU_SPARSE.topk] * 4
+    assert not any(worst["selections_ok"]), worst
+    assert all(has_repeated_ids(result.selection) for result in report["ranks"])
 
 
 @pytest.mark.parametrize(("dcp", "k"), [(4, 2), (4, 1)])
@@ -105,7 +134,9 @@ def test_the_unmasked_combine_counts_replicas(dcp: int, k: int) -> None:
     """D=4, K=2 with the layer's combine unmasked: the selection and output
     stay right (the replicas hold identical partials) but the combined LSE
     counts each shard D/K times, ln(D/K) too high. K=1 combines nothing."""
-    report = run_sparse_case(dcp, k, 1, seed=_seed(dcp, k, 1), mask_combine=False)
+    report = run_sparse_case(
+        dcp, k, 1, seed=_seed(dcp, k, 1), mask_combine=False, collectives="dcp"
+    )
     worst = evaluate_sparse_case(report, k)
     assert all(worst["selections_ok"]), worst
     assert worst["out_single"] <= FP32_TOLERANCE, worst

@@ -18,9 +18,12 @@ gives them.
   on every rank.
 - Sparse latent (FLASHMLA_SPARSE): K = 1 is vLLM's DCP1 builder (world 1, no
   DCP manager, an N-row workspace; built where upstream's DCP limits refuse
-  the head count, since nothing is gathered), 1 < K < D keeps D and binds the
-  layer (shard-world ``forward_mqa``, replica-masked combine), K = D is
-  upstream's.
+  the head count, since nothing is gathered); 1 < K < D within its replica
+  (rule A6, the default) is vLLM's builder for K sharded ranks over the
+  replica group (world K, N + N/K rows, the layer's replica manager, the
+  indexer cache bound with the replica), and on the D-wide group
+  (``partial_collectives: "dcp"``) keeps D and binds the layer (shard-world
+  ``forward_mqa``, replica-masked combine); K = D is upstream's.
 
 About 5 s on 2 cores.
 """
@@ -32,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.mla import cpu_shims
+from tests.support.mla import cpu_shims, replica_groups_of
 from tests.support.sparse_mla import (
     INDEXER_LAYER,
     LATENT_LAYER,
@@ -44,6 +47,8 @@ from tests.support.sparse_mla import (
     rank_process,
 )
 from vllm_dcp_geometry.contract import local_seq_len
+from vllm_dcp_geometry.contract.overrides import partial_collectives
+from vllm_dcp_geometry.patches.worker.deepseek_v32_attention import REPLICA_ATTR
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
 from vllm_dcp_geometry.runtime.mla_geometry import ShardWorldForwardMqa
@@ -83,10 +88,27 @@ def _spec_count(k: int) -> int | None:
 def _build(
     vllm_config: Any, rank: int, backend: type, name: str, spec: Any, dcp: int = D
 ) -> tuple[Any, dict[str, Any]]:
-    """Rank ``rank``'s builder for the group of ``name``, its layers fresh."""
-    with rank_process(vllm_config, dcp, rank):
+    """Rank ``rank``'s builder for the group of ``name``, its layers fresh; a
+    partial K within its replica gets its replica groups (what the worker
+    makes at KV-cache initialisation)."""
+    k = spec.dcp_shard_count(dcp)
+    within = partial_collectives(vllm_config.additional_config) == "replica"
+    replicas = [k] if 1 < k < dcp and within else []
+    with (
+        rank_process(vllm_config, dcp, rank) as group,
+        replica_groups_of(group, replicas),
+    ):
         layers = install_sparse_layers(vllm_config, 4, 64)
         return build_group_builder(backend, name, spec, vllm_config), layers
+
+
+def _config(interleave: int = 1, collectives: str = "replica", **kw: Any) -> Any:
+    vllm_config = dsv32_config(D, interleave, **kw)
+    if collectives != "replica":
+        vllm_config.additional_config = {
+            "dcp_geometry": {"partial_collectives": collectives}
+        }
+    return vllm_config
 
 
 def _upstream_builder(builder: Any, spec: Any, name: str, vllm_config: Any, **kw: Any):
@@ -131,9 +153,11 @@ def _common_metadata(vllm_config: Any, rank: int) -> Any:
 # The indexer builder ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_indexer_builder_takes_the_shard_world(k: int) -> None:
-    vllm_config = dsv32_config(D, 1)
+@pytest.mark.parametrize(
+    ("k", "collectives"), [(1, "replica"), (2, "replica"), (2, "dcp"), (4, "replica")]
+)
+def test_indexer_builder_takes_the_shard_world(k: int, collectives: str) -> None:
+    vllm_config = _config(collectives=collectives)
     spec = indexer_spec(B, _spec_count(k))
     with cpu_shims():
         for rank in range(D):
@@ -169,6 +193,13 @@ def test_indexer_builder_takes_the_shard_world(k: int) -> None:
                 geometry = getattr(builder, BOUND_GEOMETRY_ATTR)
                 assert geometry.shard_world == (k, shard) and geometry.dcp_rank == rank
                 assert getattr(cache, BOUND_GEOMETRY_ATTR).shard_world == (k, shard)
+                # Bound in its replica (the merge gathers over it) or D-wide.
+                replica = getattr(cache, REPLICA_ATTR)
+                if k > 1 and collectives == "replica":
+                    assert (replica.world_size, replica.rank_in_group) == (k, shard)
+                    assert replica.ranks == [rank // k * k + s for s in range(k)]
+                else:
+                    assert replica is None
 
 
 @pytest.mark.parametrize("interleave", [1, B])
@@ -179,7 +210,7 @@ def test_indexer_build_gives_the_contract_local_lengths(
     """Decode ``seq_lens`` and every prefill chunk's ``local_cu_seq_lens`` and
     per-query ``[cu_seqlen_ks, cu_seqlen_ke)`` are the contract's local
     lengths of shard ``r % K``; the merge trigger stays set for K > 1."""
-    vllm_config = dsv32_config(D, interleave)
+    vllm_config = _config(interleave)
     spec = indexer_spec(B, _spec_count(k))
 
     def local(length: int, shard: int) -> int:
@@ -241,7 +272,7 @@ def test_replicated_sparse_latent_builder_is_the_dcp1_builder() -> None:
         want, _ = _build(
             dcp1, 0, _flashmla_sparse_backend(), LATENT_LAYER, latent_spec(B, None), 1
         )
-        vllm_config = dsv32_config(D, 1)
+        vllm_config = _config()
         for rank in range(D):
             builder, layers = _build(
                 vllm_config,
@@ -278,13 +309,18 @@ def test_replicated_sparse_latent_builder_is_not_refused_for_gathered_heads() ->
             )
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_sharded_sparse_latent_builders_keep_d(k: int) -> None:
-    """1 < K < D keeps upstream's D-wide builder (query gather, combine,
-    N + N/D workspace) and binds the layer; K = D is upstream's builder and
-    binds nothing."""
-    vllm_config = dsv32_config(D, 1)
+@pytest.mark.parametrize(("k", "collectives"), [(2, "replica"), (2, "dcp"), (4, "")])
+def test_partial_sparse_latent_builders_run_in_their_collective_world(
+    k: int, collectives: str
+) -> None:
+    """1 < K < D within its replica: vLLM's builder for K sharded ranks over
+    the replica group (world K, N + N/K rows, the layer's replica manager,
+    whose query gather and combine span the replica; nothing masked). On the
+    D-wide group it keeps upstream's D-wide builder (N + N/D rows) and masks
+    duplicate replicas. K = D is upstream's builder and binds nothing."""
+    vllm_config = _config(collectives=collectives or "replica")
     spec = latent_spec(B, _spec_count(k))
+    world = k if collectives == "replica" else D
     with cpu_shims():
         for rank in range(D):
             builder, layers = _build(
@@ -293,10 +329,13 @@ def test_sharded_sparse_latent_builders_keep_d(k: int) -> None:
             layer = layers[LATENT_LAYER]
             facts = _workspace_facts(builder)
             assert (
-                facts["dcp_world_size"] == D
+                facts["dcp_world_size"] == world
                 and builder.dcp_manager is layer.dcp_manager
             )
-            assert facts["workspace_rows"] == facts["workspace_size"] * (D + 1) // D
+            assert layer.dcp_manager.group.world_size == world
+            assert facts["workspace_rows"] == (
+                facts["workspace_size"] * (world + 1) // world
+            )
             if k == D:
                 with rank_process(vllm_config, D, rank):
                     upstream = _upstream_builder(
@@ -308,22 +347,28 @@ def test_sharded_sparse_latent_builders_keep_d(k: int) -> None:
                 assert not isinstance(layer.dcp_manager.combine, ReplicaMaskedCombine)
                 continue
             assert getattr(builder, BOUND_GEOMETRY_ATTR).shard_world == (k, rank % k)
-            assert layer.impl.dcp_world_size == D
+            assert layer.impl.dcp_world_size == world
             assert isinstance(layer.impl.forward_mqa, ShardWorldForwardMqa)
             combine = layer.dcp_manager.combine
-            assert isinstance(combine, ReplicaMaskedCombine)
-            assert combine.replica == rank // k
+            if collectives == "replica":
+                assert layer.dcp_manager.group.rank_in_group == rank % k
+                assert not isinstance(combine, ReplicaMaskedCombine)
+            else:
+                assert isinstance(combine, ReplicaMaskedCombine)
+                assert combine.replica == rank // k
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_sparse_dense_mha_context_is_planned_over_the_group(k: int) -> None:
+@pytest.mark.parametrize(("k", "collectives"), [(2, "replica"), (2, "dcp"), (4, "")])
+def test_sparse_dense_mha_context_is_planned_over_the_group(
+    k: int, collectives: str
+) -> None:
     """The dense-MHA prefill of a sparse layer reads its context through
     vLLM's MLA chunk planner: a partial group's chunks hold each shard's
     contract local lengths (K shards, not D), a K = D group's D shards."""
     from vllm_dcp_geometry.contract import local_seq_len
     from vllm_dcp_geometry.runtime.patching import original_of
 
-    vllm_config = dsv32_config(D, 1)
+    vllm_config = _config(collectives=collectives or "replica")
     spec = latent_spec(B, _spec_count(k))
     decodes = sum(1 for _, n in REQUESTS if n == 1)
     prefills = REQUESTS[decodes:]
@@ -346,7 +391,7 @@ def test_sparse_dense_mha_context_is_planned_over_the_group(k: int) -> None:
                     [local_seq_len(contexts[i], B, k, 1, s) for s in range(k)]
                     for i in requests
                 ]
-            if k < D:
+            if k < D and collectives == "dcp":
                 # Upstream's own method plans the partial cache over D shards.
                 upstream = original_of(type(builder)._build_chunked_context_fields)
                 wrong = upstream(

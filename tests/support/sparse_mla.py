@@ -61,6 +61,7 @@ from tests.support.mla import (
     process_groups,
     recording,
     replaced,
+    replica_groups_of,
 )
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import (
@@ -69,6 +70,8 @@ from vllm_dcp_geometry.contract import (
     local_seq_len,
     reference_slot_mapping,
 )
+from vllm_dcp_geometry.contract.collectives import REPLICA
+from vllm_dcp_geometry.contract.overrides import partial_collectives
 from vllm_dcp_geometry.tooling.mla_rank_run import write_deepseek_config
 
 LATENT_DIM = 576
@@ -202,6 +205,8 @@ class MergeCalls:
     """What the merge stand-ins saw: one entry per selector call."""
 
     selector_calls: list[int] = field(default_factory=list)
+    gathered_widths: list[int] = field(default_factory=list)
+    """Candidates per row each selector call was handed (the all-gather's)."""
 
 
 @contextlib.contextmanager
@@ -210,17 +215,31 @@ def merge_stand_ins(
     groups: list[SimulatedGroup],
     *,
     stand_in_selector: bool = True,
+    plugin_getter: bool = True,
 ) -> Iterator[MergeCalls]:
     """What vLLM's real ``_merge_dcp_topk_global`` needs here: the DCP group
     (each rank's ``SimulatedGroup``, for the D-rank all-gather), and on CPU
     the CuteDSL selector (``stable_topk_stand_in``) and an input check
-    without the CUDA half. The pack kernel is vLLM's own."""
+    without the CUDA half. The pack kernel is vLLM's own. ``plugin_getter``
+    False leaves the module's ``get_dcp_group`` the D-wide group's (as
+    without the patch's wrapper): a negative control."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai
+
+    from vllm_dcp_geometry.runtime.mla_geometry import make_group_getter
 
     calls = MergeCalls()
     with contextlib.ExitStack() as stack:
+        # The plugin's getter (the module's, as patched) around each rank's
+        # simulated DCP group: the replica where the indexer call holds one.
+        def dcp_group() -> SimulatedGroup:
+            return groups[coop.local.rank]
+
         stack.enter_context(
-            replaced(sai, "get_dcp_group", lambda: groups[coop.local.rank])
+            replaced(
+                sai,
+                "get_dcp_group",
+                make_group_getter(dcp_group) if plugin_getter else dcp_group,
+            )
         )
         if stand_in_selector:
             from vllm.model_executor.kernels.attention.dsa import (
@@ -229,6 +248,7 @@ def merge_stand_ins(
 
             def selector(gathered: Any, topk: int, out: Any = None) -> Any:
                 calls.selector_calls.append(coop.local.rank)
+                calls.gathered_widths.append(int(gathered.shape[1]))
                 return stable_topk_stand_in(gathered, topk, out=out)
 
             stack.enter_context(
@@ -1029,20 +1049,29 @@ def make_sparse_ranks(
     vllm_config: Any,
     table: torch.Tensor,
 ) -> list[SparseRank]:
-    """Every rank's layers, bound as the worker binds them for the group's K
-    (``layer_binding.bind_group_layers`` with the geometry resolved from a
-    spec carrying K; nothing for vLLM's own K = D), and its paged cache."""
+    """Every rank's layers, bound as the worker's builders bind them for the
+    group's K (``layer_binding.bind_group_layers`` with the geometry resolved
+    from a spec carrying K, in the rank's replica group where the config
+    keeps partial collectives within it, as ``builder_init`` does; nothing
+    for vLLM's own K = D), and its paged cache."""
+    from vllm_dcp_geometry.runtime.group_context import use_replica_group
     from vllm_dcp_geometry.runtime.group_geometry import resolve_group_geometry
     from vllm_dcp_geometry.runtime.layer_binding import bind_group_layers
+    from vllm_dcp_geometry.runtime.replica_groups import operator_replica_group
 
     shape = case.shape
     spec = mla_spec(
         None if shard_count == dcp else shard_count,
         shape=Shape(block_size=shape.block_size, kv_lora_rank=VALUE_DIM),
     )
+    within = partial_collectives(vllm_config.additional_config) == REPLICA
+    replicas = [shard_count] if 1 < shard_count < dcp and within else []
     ranks = []
     for r in range(dcp):
-        with rank_process(vllm_config, dcp, r, coop):
+        with (
+            rank_process(vllm_config, dcp, r, coop) as group,
+            replica_groups_of(group, replicas),
+        ):
             topk_buffer = torch.full(
                 (len(shape.queries), shape.topk), -1, dtype=torch.int32
             ).to(shape.device)
@@ -1053,7 +1082,15 @@ def make_sparse_ranks(
             for name in (LATENT_LAYER, INDEXER_LAYER):
                 geometry = resolve_group_geometry(spec, [name], vllm_config)
                 assert geometry is not None and geometry.shard_count == shard_count
-                bind_group_layers(context, [name], geometry, mla=True)
+                replica = (
+                    operator_replica_group(geometry, vllm_config)
+                    if geometry.is_partial
+                    else None
+                )
+                with contextlib.ExitStack() as scope:
+                    if replica is not None:
+                        scope.enter_context(use_replica_group(replica))
+                    bind_group_layers(context, [name], geometry, mla=True)
         cache = paged_cache(case, table, shard_count, interleave, r % shard_count)
         ranks.append(SparseRank(r, layers, topk_buffer, cache))
     return ranks
@@ -1077,6 +1114,8 @@ def run_sparse_case(
     mask_merge: bool = True,
     mask_combine: bool = True,
     vllm_config: Any = None,
+    collectives: str = REPLICA,
+    merge_in_replica: bool = True,
 ) -> dict[str, Any]:
     """One forward of D ranks over a K-shard sparse cache, every step vLLM's
     own code where it runs here: the DeepSeek-V3.2 indexer call wrapper
@@ -1088,8 +1127,12 @@ def run_sparse_case(
     ``forward_mqa`` (shard-world top-k filter, the kernel over this rank's
     own cache), the layer's replica-masked combine.
 
-    ``mask_merge=False`` runs the merge unwrapped (vLLM's own),
-    ``mask_combine=False`` the combine unmasked: the negative controls.
+    ``collectives``: a partial K within its replica (rule A6, the default:
+    merge, query gather and combine over the K ranks) or on the D-wide group
+    (``"dcp"``: duplicate replicas masked). ``mask_merge=False`` runs the
+    merge unwrapped (vLLM's own), ``mask_combine=False`` the combine
+    unmasked, ``merge_in_replica=False`` the merge's ``get_dcp_group``
+    D-wide whatever the call holds: the negative controls.
     Returns per-rank results and the single-device run.
     """
     import vllm.model_executor.layers.sparse_attn_indexer as sai
@@ -1107,6 +1150,10 @@ def run_sparse_case(
             block_size=shape.block_size,
             cache_dtype="auto",
         )
+        if collectives != REPLICA:
+            vllm_config.additional_config = {
+                "dcp_geometry": {"partial_collectives": collectives}
+            }
     case = make_sparse_case(dcp, seed, shape)
     single = single_device(case, seed + 1)
     table = block_table(shape, shard_count, seed + 2)
@@ -1138,7 +1185,12 @@ def run_sparse_case(
                 )
             )
         calls_seen = stack.enter_context(
-            merge_stand_ins(coop, groups, stand_in_selector=shape.device == "cpu")
+            merge_stand_ins(
+                coop,
+                groups,
+                stand_in_selector=shape.device == "cpu",
+                plugin_getter=merge_in_replica,
+            )
         )
         records = stack.enter_context(recording(coop))
         context = ForwardContext(
@@ -1159,8 +1211,11 @@ def run_sparse_case(
                 interleave=interleave,
                 shard=r % shard_count,
             )
+            layer = rank.layers[LATENT_LAYER]
+            # The layer hands its indexer its DCP manager's rank.
+            manager_rank = layer.dcp_manager.group.rank_in_group
             args, kwargs = indexer_call_arguments(
-                logits, rank.topk_buffer, shape.topk, dcp=dcp, rank=r,
+                logits, rank.topk_buffer, shape.topk, dcp=dcp, rank=manager_rank,
                 interleave=interleave,
             )  # fmt: skip
             indexer_call(*args, **kwargs)
@@ -1185,6 +1240,7 @@ def run_sparse_case(
         "single": single,
         "indexer_calls": calls,
         "selector_calls": list(calls_seen.selector_calls),
+        "gathered_widths": list(calls_seen.gathered_widths),
         "combined_lse": {r: rec.get("combined_lse") for r, rec in records.items()},
     }
 
@@ -1215,8 +1271,13 @@ def evaluate_sparse_case(report: dict[str, Any], shard_count: int) -> dict[str, 
         )
         combined = report["combined_lse"].get(r)
         if result.impl_world > 1:
+            # Combined over the heads of the collective's W ranks: the
+            # replica's (DCP ranks q*K .. q*K + K - 1) or all D.
             assert combined is not None
-            lse, ref = combined.double().cpu(), single["ref_lse"]
+            world = result.impl_world
+            first = r // world * world
+            lse = combined.double().cpu()
+            ref = single["ref_lse"][:, first * h : (first + world) * h]
         else:
             lse, ref = result.kernel_lse.double().cpu(), single["ref_lse"][:, heads]
         worst["lse_f64"] = max(worst["lse_f64"], (lse - ref).abs().max().item())

@@ -63,15 +63,40 @@ class TaughtBackend:
     @property
     def replica_collectives(self) -> bool:
         """Whether a partial group on it runs its collectives within its
-        K-rank replica (rule A6): the dense MLA builders, whose patch binds
-        the replica group; every other backend stays on the D-wide group."""
-        return self.patch == _MLA_PATCH
+        K-rank replica (rule A6): the dense and sparse MLA builders and the
+        DSA indexer's, whose patches bind the replica group; FlashAttention
+        and FlashInfer stay on the D-wide group."""
+        return self.patch in _REPLICA_PATCHES
 
 
 _BACKENDS = "vllm.v1.attention.backends."
 _MLA_PATCH = "worker.mla_attention"
 _SPARSE_PATCH = "worker.sparse_mla_attention"
 _SPARSE_LAYERS = frozenset({DEEPSEEK_V32_ATTENTION})
+_REPLICA_PATCHES = frozenset(
+    {_MLA_PATCH, _SPARSE_PATCH, "worker.flashmla_sparse", "worker.mla_indexer"}
+)
+
+
+D_WIDE_PARTIAL_REASON = (
+    "its impl takes the collective group from its module's get_dcp_group in "
+    "every forward and sizes gathered-head plans and workspaces from the "
+    "impl's D; the plugin does not yet bind it to a replica group, so its "
+    "partial groups keep the D-wide collectives (exact: duplicate replicas "
+    "weigh 0) and their D-rank traffic"
+)
+"""Why a taught backend without ``replica_collectives`` (FlashAttention,
+FlashInfer) keeps the D-wide path for partial groups: said by ``plan`` and
+in the start-up log."""
+
+
+def d_wide_partial_reason(backend: str | None) -> str | None:
+    """``D_WIDE_PARTIAL_REASON`` for a taught backend that keeps partial
+    groups on the D-wide group, else None."""
+    taught = TAUGHT_BACKENDS.get(backend or "")
+    if taught is None or taught.replica_collectives:
+        return None
+    return D_WIDE_PARTIAL_REASON
 
 
 def collectives_within_replica(backend: str | None) -> bool:

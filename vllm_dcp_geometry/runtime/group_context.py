@@ -25,16 +25,21 @@ inner wrappers hand straight back to upstream. There are exactly five:
     built for.
 
 ``use_replica_group`` / ``current_replica_group``
-    Set by the MLA builder patch while a partial group whose collectives stay
-    within its replica (rule A6) is bound and its upstream builder code runs
-    (``MLACommonMetadataBuilder.__init__`` and ``.build``), and by the layer
-    binding while it makes the layer's replica ``MLADCPManager``. Read by the
-    MLA module's and the DCP ops module's ``get_dcp_group``, which then
-    answer the group's replica ``GroupCoordinator`` (K ranks), by
+    Set by the MLA, sparse MLA and DSA indexer builder patches while a
+    partial group whose collectives stay within its replica (rule A6) is
+    bound and its upstream builder code runs
+    (``MLACommonMetadataBuilder.__init__`` and ``.build``,
+    ``SparseMLACommonMetadataBuilder.__init__`` and its context planning,
+    ``DeepseekV32IndexerMetadataBuilder.__init__``), by the layer binding
+    while it makes the layer's replica ``MLADCPManager``, and by
+    DeepSeek-V3.2's indexer call of a cache bound in its replica. Read by
+    the MLA, sparse MLA, DCP ops and indexer modules' ``get_dcp_group``,
+    which then answer the group's replica ``GroupCoordinator`` (K ranks), by
     ``build_mla_chunked_context_metadata`` (which then plans as for a
-    sharded group of K) and by the MLA layer binding. Why: upstream's MLA
-    builder and DCP manager take their collective group from
-    ``get_dcp_group()``, which has no notion of a group's replica.
+    sharded group of K), by the MLA layer binding, the indexer cache binding
+    and the top-k merge. Why: upstream's MLA builders, DCP manager and top-k
+    merge take their collective group from ``get_dcp_group()``, which has no
+    notion of a group's replica.
 
 ``pending_block_table_layout`` / ``pending_layout``
     Set by Model Runner V1's ``may_reinitialize_input_batch``; read by
@@ -157,18 +162,31 @@ CHANNELS: tuple[SideChannel, ...] = (
     SideChannel(
         "use_replica_group",
         "current_replica_group",
-        ("worker.mla_attention",),
+        (
+            "worker.mla_attention",
+            "worker.sparse_mla_attention",
+            "worker.mla_indexer",
+            "worker.deepseek_v32_attention",
+        ),
         (
             "worker.mla_attention",
             "worker.mla_dcp_manager",
             "worker.sparse_mla_attention",
+            "worker.sparse_attn_indexer",
+            "worker.deepseek_v32_attention",
         ),
-        "the MLA builder of a partial group whose collectives stay within its "
-        "replica, while it is bound and built",
-        "MLA's and the DCP ops' `get_dcp_group` answer the replica group (K "
-        "ranks), the context chunks are planned as for K sharded ranks, and the "
-        "layer binding gives the layer a replica DCP manager",
-        via=("mla_geometry.bind_mla_layer", "mla_geometry.make_group_getter"),
+        "the MLA, sparse MLA and DSA indexer builders of a partial group whose "
+        "collectives stay within its replica, while it is bound and built; "
+        "DeepSeek-V3.2's indexer call of such a cache",
+        "MLA's, sparse MLA's, the DCP ops' and the indexer's `get_dcp_group` "
+        "answer the replica group (K ranks), the context chunks are planned as "
+        "for K sharded ranks, the layer binding gives the layer a replica DCP "
+        "manager, and the top-k merge gathers over the replica",
+        via=(
+            "metadata_builders.builder_init",
+            "mla_geometry.bind_mla_layer",
+            "mla_geometry.make_group_getter",
+        ),
     ),
 )
 """Every side channel: the README's side-channel table is made from these."""

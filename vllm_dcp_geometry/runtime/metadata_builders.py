@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
+from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
+from vllm_dcp_geometry.contract.collectives import REPLICA
+from vllm_dcp_geometry.contract.overrides import partial_collectives
 from vllm_dcp_geometry.runtime.group_context import (
     current_group_geometry,
     use_group_geometry,
@@ -36,6 +40,8 @@ from vllm_dcp_geometry.runtime.worker_admission import admit_builder
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("vllm_dcp_geometry")
 
 
 LOCAL_SEQ_LENS_BUFFER_ATTR = "_vllm_dcp_geometry_local_seq_lens"
@@ -139,6 +145,17 @@ def builder_init(
                 setattr(self, REPLICA_GROUP_ATTR, replica)
                 setattr(self, BOUND_GEOMETRY_ATTR, geometry)
                 return
+            if (
+                geometry.is_partial
+                and teaching.replica_group is None
+                and partial_collectives(vllm_config.additional_config) == REPLICA
+            ):
+                logger.info(
+                    "%s: %s keeps the D-wide collectives: %s",
+                    geometry.describe(),
+                    type(self).__name__,
+                    D_WIDE_PARTIAL_REASON,
+                )
             if teaching.construct_in_group(geometry):
                 with use_group_geometry(geometry):
                     construct()

@@ -230,6 +230,27 @@ def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None
     setattr(impl, BOUND_GEOMETRY_ATTR, geometry)
 
 
+def check_replica_builder(builder: Any, geometry: GroupGeometry, what: str) -> None:
+    """A partial group's builder made within its replica took the replica's
+    world (K) and its layer's replica manager; an error naming the group
+    where an upstream change stopped asking ``get_dcp_group``."""
+    replica = current_replica_group()
+    if replica is None:
+        return
+    manager = builder.dcp_manager
+    if (
+        builder.dcp_world_size != geometry.shard_count
+        or manager is None
+        or manager.group is not replica
+    ):
+        raise DcpGeometryError(
+            f"{geometry.describe()}: the {what} builder took a DCP world of "
+            f"{builder.dcp_world_size} and a manager over "
+            f"{getattr(manager, 'group', None)!r}, not its replica's "
+            "(vLLM's builder no longer asks get_dcp_group)"
+        )
+
+
 # Chunked-prefill context of a partial group ------------------------------------
 
 CHUNK_PLANNER_PARAMETERS = (

@@ -165,6 +165,16 @@ def replica_group(geometry: GroupGeometry) -> Any:
     return coordinator
 
 
+def operator_replica_group(geometry: GroupGeometry, vllm_config: Any) -> Any:
+    """The replica ``GroupCoordinator`` a partial group's collectives stay
+    within (rule A6), or None where the operator chose the D-wide group
+    (``partial_collectives: "dcp"``); an error naming the group where the
+    replica groups were not made."""
+    if partial_collectives(vllm_config.additional_config) != REPLICA:
+        return None
+    return replica_group(geometry)
+
+
 def made_replica_groups() -> dict[int, Any]:
     """K -> this rank's replica ``GroupCoordinator``, for every K made."""
     return dict(_REPLICA_GROUPS)

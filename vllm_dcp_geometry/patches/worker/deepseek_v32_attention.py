@@ -19,12 +19,18 @@ manager's rank and the parallel config's D) with the cache's shard world
   D-rank top-k merge is skipped; every rank selects the same global positions.
 - 1 < K < D: local positions map to global ones over K shards, and for the
   duration of the call ``group_context.use_indexer_geometry`` names the
-  cache, so the merge (``patches.worker.sparse_attn_indexer``) drops the
+  cache. Within its replica (rule A6, the default: the cache was bound in
+  its replica group, and its latent cache shares its K, rule A5, so the
+  layer's DCP manager is the replica's and hands the indexer the replica
+  rank ``r % K``) the call also holds the replica
+  (``group_context.use_replica_group``), and the merge
+  (``patches.worker.sparse_attn_indexer``) all-gathers over its K ranks. On
+  the D-wide group (``partial_collectives: "dcp"``) the merge drops the
   duplicate replicas' candidates from its D-rank all-gather.
 
 The sparse attention of the same layer is the generic MLA binding (the impl
-filters the selection to its shard in ``(K, r % K)``; the combine masks
-duplicate replicas).
+filters the selection to its shard in ``(K, r % K)``; the query gather and
+combine run within the replica, or D-wide with duplicate replicas masked).
 
 Why: the layer hands its indexer the global DCP world whatever the indexer
 cache's spec says, and the merge counts every replica's candidates.
@@ -38,6 +44,7 @@ channel). Remove when: the layer passes its indexer cache's DCP geometry.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -48,7 +55,11 @@ from vllm_dcp_geometry.contract.layer_classes import (
     LAYER_BINDERS,
     LayerBinding,
 )
-from vllm_dcp_geometry.runtime.group_context import use_indexer_geometry
+from vllm_dcp_geometry.runtime.group_context import (
+    current_replica_group,
+    use_indexer_geometry,
+    use_replica_group,
+)
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR, check_rebind
 from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap, set_item
 from vllm_dcp_geometry.runtime.upstream_symbols import (
@@ -59,43 +70,57 @@ from vllm_dcp_geometry.runtime.upstream_symbols import (
 _bound_caches: list[str] = []
 """Names of the indexer caches bound in this process (empty: hand-back)."""
 
+REPLICA_ATTR = "_vllm_dcp_geometry_replica_group"
+"""Set on an indexer cache bound within its replica group (rule A6) to that
+``GroupCoordinator``."""
+
 
 def bind_indexer_cache(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
     """Bind one DeepSeek-V3.2 indexer cache to its group (idempotent; its
-    reader's class is checked by ``layer_binding.check_reader``)."""
+    reader's class is checked by ``layer_binding.check_reader``), with the
+    replica group it is bound in, if any."""
     if check_rebind(layer, geometry, f"the indexer cache {layer_name}"):
         return
+    replica = current_replica_group() if geometry.is_partial else None
+    setattr(layer, REPLICA_ATTR, replica)
     setattr(layer, BOUND_GEOMETRY_ATTR, geometry)
     _bound_caches.append(layer_name)
 
 
-def _bound_geometry(k_cache_prefix: Any) -> GroupGeometry | None:
+def _bound_cache(k_cache_prefix: Any) -> Any:
     from vllm.forward_context import get_forward_context
     from vllm.utils.torch_utils import _resolve_layer_name
 
     name = _resolve_layer_name(k_cache_prefix)
-    layer = get_forward_context().no_compile_layers[name]
-    return getattr(layer, BOUND_GEOMETRY_ATTR, None)
+    return get_forward_context().no_compile_layers[name]
 
 
 def _make_sparse_attn_indexer(original: Callable[..., Any]) -> Callable[..., Any]:
     def sparse_attn_indexer(
         hidden_states: Any, k_cache_prefix: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        geometry = _bound_geometry(k_cache_prefix) if _bound_caches else None
+        cache = _bound_cache(k_cache_prefix) if _bound_caches else None
+        geometry = getattr(cache, BOUND_GEOMETRY_ATTR, None)
         if geometry is None:
             return original(hidden_states, k_cache_prefix, *args, **kwargs)
+        replica = getattr(cache, REPLICA_ATTR, None)
+        # The layer passes its DCP manager's rank: the replica's within it.
+        rank = geometry.dcp_rank if replica is None else replica.rank_in_group
         seen = (kwargs.get("dcp_rank"), kwargs.get("dcp_world_size"))
-        if seen != (geometry.dcp_rank, geometry.dcp_world_size):
+        if seen != (rank, geometry.dcp_world_size):
             raise DcpGeometryError(
                 f"{geometry.describe()}: {DEEPSEEK_V32_ATTENTION} called its indexer "
                 f"with (dcp_rank, dcp_world_size)={seen}, not "
-                "the DCP world this patch was taught to replace"
+                f"({rank}, {geometry.dcp_world_size}), the DCP world this patch "
+                "was taught to replace"
             )
         kwargs["dcp_world_size"], kwargs["dcp_rank"] = geometry.shard_world
         if not geometry.is_partial:
             return original(hidden_states, k_cache_prefix, *args, **kwargs)
-        with use_indexer_geometry(geometry):
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(use_indexer_geometry(geometry))
+            if replica is not None:
+                scope.enter_context(use_replica_group(replica))
             return original(hidden_states, k_cache_prefix, *args, **kwargs)
 
     return sparse_attn_indexer
@@ -139,7 +164,10 @@ PATCH = Patch(
             "index_weights_out, kv_c, k_pe, ql_nope, mqa_q, output",
         ),
     ),
-    remove_with=("worker.sparse_attn_indexer",),
+    remove_with=(
+        "worker.sparse_attn_indexer",
+        "worker.mla_dcp_manager",
+    ),
     why=(
         "DeepSeek-V3.2's layer hands its indexer the global DCP world; a "
         "replicated or partial indexer cache needs its own (K, r % K)."

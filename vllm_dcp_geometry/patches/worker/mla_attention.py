@@ -52,9 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
-from vllm_dcp_geometry.contract.collectives import REPLICA
-from vllm_dcp_geometry.contract.overrides import partial_collectives
+from vllm_dcp_geometry.contract import GroupGeometry
 from vllm_dcp_geometry.runtime.group_context import (
     current_group_geometry,
     current_replica_group,
@@ -68,12 +66,13 @@ from vllm_dcp_geometry.runtime.metadata_builders import (
 from vllm_dcp_geometry.runtime.mla_geometry import (
     CHUNK_PLANNER_PARAMETERS,
     check_context_workspace,
+    check_replica_builder,
     decode_max_seq_len,
     group_context_chunk_kwargs,
     make_group_getter,
 )
 from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
-from vllm_dcp_geometry.runtime.replica_groups import replica_group
+from vllm_dcp_geometry.runtime.replica_groups import operator_replica_group
 
 
 def _make_validate_dspark(original: Callable[..., None]) -> Callable[..., None]:
@@ -103,28 +102,11 @@ def _finish_partial_builder(
 ) -> None:
     if not geometry.is_partial:
         return
-    replica = current_replica_group()
-    if replica is not None and (
-        builder.dcp_world_size != geometry.shard_count
-        or builder.dcp_manager is None
-        or builder.dcp_manager.group is not replica
-    ):
-        raise DcpGeometryError(
-            f"{geometry.describe()}: the MLA builder took a DCP world of "
-            f"{builder.dcp_world_size} and a manager over "
-            f"{getattr(builder.dcp_manager, 'group', None)!r}, not its replica's "
-            "(vLLM's builder no longer asks get_dcp_group)"
-        )
+    check_replica_builder(builder, geometry, "MLA")
     check_context_workspace(
         geometry, builder.chunked_prefill_workspace_size, builder.page_size
     )
     attach_local_seq_lens_buffer(builder, vllm_config, device)
-
-
-def _replica_group(geometry: GroupGeometry, vllm_config: Any) -> Any:
-    if partial_collectives(vllm_config.additional_config) != REPLICA:
-        return None
-    return replica_group(geometry)
 
 
 BUILDER_TEACHING = BuilderTeaching(
@@ -134,7 +116,7 @@ BUILDER_TEACHING = BuilderTeaching(
     # ranks; on the D-wide group it keeps D for the query gather and combine.
     construct_in_group=lambda geometry: geometry.is_replicated,
     finish=_finish_partial_builder,
-    replica_group=_replica_group,
+    replica_group=operator_replica_group,
 )
 
 
@@ -205,6 +187,7 @@ PATCH = Patch(
         "worker.sparse_mla_attention",
         "worker.mla_dcp_manager",
         "worker.gpu_worker",
+        "worker.sparse_attn_indexer",
     ),
     why=(
         "MLA builders, impls and layers take D from the DCP group whatever the "

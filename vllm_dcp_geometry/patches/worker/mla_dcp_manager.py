@@ -74,7 +74,12 @@ PATCH = Patch(
             "self, vllm_config, *, output_dtype=, num_heads=, head_dim=, is_base_e=",
         ),
     ),
-    remove_with=("worker.mla_attention",),
+    remove_with=(
+        "worker.mla_attention",
+        "worker.deepseek_v32_attention",
+        "worker.mla_indexer",
+        "worker.sparse_mla_attention",
+    ),
     why=(
         "An MLA layer's DCP manager takes its collective group from get_dcp_group() "
         "at model build; a partial group's replica needs one over its K ranks."

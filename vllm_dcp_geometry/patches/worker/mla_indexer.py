@@ -14,7 +14,10 @@ then follows the cache: decode lengths localised with
 chunks' per-query local bounds from ``build_prefill_chunk_metadata(...,
 dcp_rank=s, dcp_world_size=K)``. The indexer cache layers are then bound
 (their attention layer's indexer call takes the same shard world; see
-``patches.worker.deepseek_v32_attention``).
+``patches.worker.deepseek_v32_attention``); a partial cache whose
+collectives stay within its replica (rule A6, the default) is bound, and
+its builder constructed, in the replica (``use_replica_group``), so its
+layer's top-k merge gathers over the replica's K ranks.
 
 Why: the builder takes D from the parallel config and r from the DCP group,
 whatever the indexer cache's spec says.
@@ -33,6 +36,7 @@ from typing import Any
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.runtime.metadata_builders import BuilderTeaching, builder_init
 from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
+from vllm_dcp_geometry.runtime.replica_groups import operator_replica_group
 
 
 def _take_shard_world(
@@ -58,6 +62,9 @@ BUILDER_TEACHING = BuilderTeaching(
     mla=True,
     construct_in_group=lambda geometry: False,
     finish=_take_shard_world,
+    # Within its replica (rule A6) the caches are bound in the replica, so
+    # the layer's top-k merge gathers over its K ranks.
+    replica_group=operator_replica_group,
 )
 
 
@@ -80,6 +87,10 @@ PATCH = Patch(
             "DeepseekV32IndexerMetadataBuilder.build",
             "self, common_prefix_len, common_attn_metadata, fast_build=",
         ),
+    ),
+    remove_with=(
+        "worker.mla_dcp_manager",
+        "worker.sparse_attn_indexer",
     ),
     why=(
         "The DSA indexer builder takes D from the parallel config and r from the "

@@ -15,12 +15,24 @@ over K shards while a partial group is active.
 - K = 1: upstream's constructor runs with ``get_dcp_group`` answering a world
   of 1, i.e. vLLM's DCP1 sparse builder (an N-row workspace, no KV gather, a
   DCP1 chunk plan for the dense-MHA prefill); the layers' impls run local.
-- 1 < K < D: the builder keeps D (the query is gathered over the DCP group
-  and combined by the layer's ``MLADCPManager``); the dense-MHA prefill's
-  context is planned over K shards (``mla_geometry.group_context_chunk_kwargs``,
-  the dense MLA rule) and its workspace checked. Sparse decode has no length
-  to localise: causality comes from the top-k, which the impl filters to the
-  rank's shard in the shard world ``(K, r % K)`` (``ShardWorldForwardMqa``).
+- 1 < K < D within its replica (rule A6, the default): as dense MLA, the
+  group's layers are bound first (a replica ``MLADCPManager`` over the K
+  ranks of the replica: the query gather and LSE combine of
+  ``DeepseekV32Attention``), then upstream's constructor runs with
+  ``get_dcp_group`` answering the replica: vLLM's sparse builder for K
+  sharded ranks (workspace N + N/K, its dense-MHA prefill context planned
+  over K, the KV gather over the replica); ``_build_chunked_context_fields``
+  runs in the replica too. The builder is checked to hold world K and the
+  replica manager.
+- 1 < K < D on the D-wide group (``partial_collectives: "dcp"``): the
+  builder keeps D (the query is gathered over the DCP group and combined by
+  the layer's ``MLADCPManager``, duplicate replicas masked); the dense-MHA
+  prefill's context is planned over K shards
+  (``mla_geometry.group_context_chunk_kwargs``, the dense MLA rule).
+
+Either way the workspace is checked, and sparse decode has no length to
+localise: causality comes from the top-k, which the impl filters to the
+rank's shard in the shard world ``(K, r % K)`` (``ShardWorldForwardMqa``).
 
 Why: vLLM 0.33.0's sparse builders take D from the DCP group whatever the
 spec says.
@@ -38,8 +50,12 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.runtime.group_context import use_group_geometry
+from vllm_dcp_geometry.runtime.group_context import (
+    use_group_geometry,
+    use_replica_group,
+)
 from vllm_dcp_geometry.runtime.metadata_builders import (
+    REPLICA_GROUP_ATTR,
     BuilderTeaching,
     bound_partial_geometry,
     builder_init,
@@ -47,9 +63,11 @@ from vllm_dcp_geometry.runtime.metadata_builders import (
 from vllm_dcp_geometry.runtime.mla_geometry import (
     CHUNK_PLANNER_PARAMETERS,
     check_context_workspace,
+    check_replica_builder,
     make_group_getter,
 )
 from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap, original_of
+from vllm_dcp_geometry.runtime.replica_groups import operator_replica_group
 from vllm_dcp_geometry.runtime.upstream_symbols import UpstreamChangedError
 
 
@@ -62,12 +80,12 @@ def _make_context_fields(original: Callable[..., Any]) -> Callable[..., Any]:
         prefill_query_lens_cpu: Any,
     ) -> Any:
         geometry = bound_partial_geometry(self)
-        active = (
-            contextlib.nullcontext()
-            if geometry is None
-            else use_group_geometry(geometry)
-        )
-        with active:
+        replica = getattr(self, REPLICA_GROUP_ATTR, None)
+        with contextlib.ExitStack() as active:
+            if geometry is not None:
+                active.enter_context(use_group_geometry(geometry))
+            if replica is not None:
+                active.enter_context(use_replica_group(replica))
             return original(
                 self,
                 common_attn_metadata,
@@ -83,6 +101,7 @@ def _check_partial_workspace(
     builder: Any, geometry: GroupGeometry, vllm_config: Any, device: Any
 ) -> None:
     if geometry.is_partial:
+        check_replica_builder(builder, geometry, "sparse MLA")
         check_context_workspace(
             geometry,
             builder.chunked_prefill_workspace_size,
@@ -94,6 +113,7 @@ BUILDER_TEACHING = BuilderTeaching(
     mla=True,
     construct_in_group=lambda geometry: geometry.is_replicated,
     finish=_check_partial_workspace,
+    replica_group=operator_replica_group,
 )
 
 
@@ -143,7 +163,12 @@ PATCH = Patch(
             "self, q, kv_c_and_k_pe_cache, attn_metadata, layer",
         ),
     ),
-    remove_with=("worker.flashmla_sparse", "worker.mla_attention"),
+    remove_with=(
+        "worker.flashmla_sparse",
+        "worker.mla_attention",
+        "worker.mla_dcp_manager",
+        "worker.sparse_attn_indexer",
+    ),
     why=(
         "Sparse MLA builders take D from the DCP group whatever the spec says; "
         "replicated sparse groups must build DCP1 metadata and partial ones plan "

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dcp_geometry.contract.attention_backends import collectives_within_replica
+from vllm_dcp_geometry.contract.attention_backends import (
+    collectives_within_replica,
+    d_wide_partial_reason,
+)
 from vllm_dcp_geometry.contract.collectives import (
     REPLICA,
     attention_work_ratio,
@@ -35,6 +38,7 @@ COST_KEYS = (
     "dcp_group_bytes_per_rank_per_token",
     "dcp_group_attention_work_vs_sharded",
     "decode_collective_bytes_reason",
+    "d_wide_reason",
 )
 """The fields ``group_cost`` adds to each plan group (all present, None where
 they do not apply)."""
@@ -134,6 +138,9 @@ def group_cost(
         cost["decode_collective_bytes_per_rank_per_token"] = decode_step_bytes(
             group, topology, world
         )
+    if 1 < k < dcp and topology.partial_collectives == REPLICA and not replica:
+        # The operator asked for the replica; this backend keeps D-wide.
+        cost["d_wide_reason"] = d_wide_partial_reason(attention["attention_backend"])
     if 1 < k < dcp:
         dcp_world = collective_world_size(k, dcp, replica_collectives=False)
         cost["dcp_group_attention_work_vs_sharded"] = attention_work_ratio(
