@@ -176,14 +176,13 @@ def test_partial_builder_is_bound_to_its_group(
     The start-up log says why the partial group keeps the D-wide path."""
     import logging
 
-    from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
-
     from vllm.v1.attention.backends.flash_attn import (
         FlashAttentionBackend,
         FlashAttentionMetadataBuilder,
     )
 
     from vllm_dcp_geometry.contract import DcpGeometryError
+    from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
 
     vllm_config = tiny_model_config(8, 1)
     set_dcp_group(monkeypatch, 8, 5)

@@ -200,6 +200,37 @@ def test_merge_drops_the_other_replicas(rank: int) -> None:
     assert torch.equal(seen[0]["indices"], indices)
 
 
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_merge_within_the_replica_sends_every_candidate(rank: int) -> None:
+    """D=4, K=2 within its replica: every rank sends its top-k (nothing is
+    padding), upstream's merge gets the shard world, and a replica group of
+    another world or rank is refused."""
+    from tests.support.mla import SimulatedReplica
+    from vllm_dcp_geometry.runtime.group_context import use_replica_group
+
+    seen: list[dict[str, Any]] = []
+    merge = _merge_wrapper(seen)
+    indices = torch.arange(8, dtype=torch.int32).view(2, 4)
+    geometry = indexer_geometry(4, 2, rank, 1)
+    with (
+        use_indexer_geometry(geometry),
+        use_replica_group(SimulatedReplica(None, 4, rank, 2)),
+    ):
+        merge(torch.zeros(2, 8), indices, 4, rank % 2, 2, 1)
+    assert seen[0]["world"] == (2, rank % 2)
+    assert torch.equal(
+        seen[0]["indices"], torch.arange(8, dtype=torch.int32).view(2, 4)
+    )
+    wrong = SimulatedReplica(None, 4, (rank + 1) % 4, 2)
+    with (
+        use_indexer_geometry(geometry),
+        use_replica_group(wrong),
+        pytest.raises(DcpGeometryError, match="replica group has"),
+    ):
+        merge(torch.zeros(2, 8), indices, 4, rank % 2, 2, 1)
+    assert len(seen) == 1
+
+
 @pytest.mark.parametrize(("rank", "world"), [(3, 4), (1, 4), (0, 2), (3, 2)], ids=str)
 def test_merge_refuses_another_world_under_an_active_geometry(
     rank: int, world: int
@@ -368,3 +399,44 @@ def test_indexer_call_with_another_dcp_world_is_refused(
             call, INDEXER_LAYER, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size
         )
     assert recorder.calls == []
+
+
+@pytest.mark.parametrize(("dcp_rank", "accepted"), [(1, True), (3, False)])
+def test_a_cache_bound_in_its_replica_takes_the_replica_rank(
+    indexer_call: Any, dcp_rank: int, accepted: bool
+) -> None:
+    """Bound in its replica (rule A6), the layer's DCP manager is the
+    replica's, so the layer passes ``(r % K, D)``: that is replaced by the
+    shard world and the call holds the replica; the D-wide rank ``r`` is
+    then refused."""
+    from tests.support.mla import SimulatedReplica
+    from vllm_dcp_geometry.runtime.group_context import (
+        current_replica_group,
+        use_replica_group,
+    )
+
+    patch, recorder, call = indexer_call
+    replica = SimulatedReplica(None, 4, 3, 2)
+    seen: list[Any] = []
+    recorder_call = recorder.__call__
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(current_replica_group())
+        return recorder_call(*args, **kwargs)
+
+    call = patch._make_sparse_attn_indexer(recording)
+    cache = _indexer_cache()
+    with use_replica_group(replica):
+        patch.bind_indexer_cache(cache, indexer_geometry(4, 2, 3, 1), INDEXER_LAYER)
+    assert getattr(cache, patch.REPLICA_ATTR) is replica
+    with _forward_context({INDEXER_LAYER: cache}):
+        if not accepted:
+            with pytest.raises(DcpGeometryError, match=r"not \(1, 4\)"):
+                _layer_call(call, INDEXER_LAYER, dcp_rank=dcp_rank, dcp_world_size=4)
+            assert recorder.calls == []
+            return
+        _layer_call(call, INDEXER_LAYER, dcp_rank=dcp_rank, dcp_world_size=4)
+    ((_, keywords, geometry),) = recorder.calls
+    assert (keywords["dcp_world_size"], keywords["dcp_rank"]) == (2, 1)
+    assert geometry.shard_world == (2, 1) and seen == [replica]
+    assert current_replica_group() is None

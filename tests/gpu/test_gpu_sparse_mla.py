@@ -189,6 +189,7 @@ def _flashmla_rank(
     from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    from tests.support.mla import replica_groups_of
     from tests.support.sparse_mla import (
         INDEXER_LAYER,
         LATENT_LAYER,
@@ -221,7 +222,13 @@ def _flashmla_rank(
     shape = SparseShape(block_size=B, num_blocks=128, seq_lens=SEQ_LENS)
     table = block_table(shape, k, seed).cuda()
     tokens = len(SEQ_LENS)
-    with rank_process(vllm_config, dcp, rank, coop), torch.device("cuda"):
+    # A partial K runs within its replica (rule A6, the default).
+    replicas = [k] if 1 < k < dcp else []
+    with (
+        rank_process(vllm_config, dcp, rank, coop) as group,
+        replica_groups_of(group, replicas),
+        torch.device("cuda"),
+    ):
         buffer = torch.full((tokens, TOPK), -1, dtype=torch.int32)
         kv_b_proj = ColumnParallelLinear(
             LORA,
@@ -377,12 +384,14 @@ def _flashmla_forward(dcp: int, k: int, seed: int) -> dict[str, Any]:
         logits, _ = shard_logits(
             scores, lengths, block_size=B, shard_count=k, interleave=1, shard=r % k
         )
+        layer = rank["layer"]
+        # The layer hands its indexer its DCP manager's rank.
+        manager_rank = layer.dcp_manager.group.rank_in_group
         args, kwargs = indexer_call_arguments(
-            logits, rank["buffer"], TOPK, dcp=dcp, rank=r, interleave=1
+            logits, rank["buffer"], TOPK, dcp=dcp, rank=manager_rank, interleave=1
         )
         indexer_call(*args, **kwargs)
         selection = rank["buffer"].clone()
-        layer = rank["layer"]
         impl, manager = layer.impl, layer.dcp_manager
         impl.record_logical_topk_ready()
         impl.prepare_for_batch(rank["metadata"])
