@@ -14,14 +14,19 @@ partial groups on the D-wide DCP group and duplicate replicas masked
 (``partial_collectives: "dcp"``, the plugin's earlier path); after, within
 their K-rank replica groups (the default). Each run is D worker processes,
 vLLM's real collectives over gloo on CPU (NCCL on GPUs), every collective
-through the DCP and replica groups counted in every rank. Printed per (D, K):
-the bytes each rank sends plus receives in one decode step before and after
-(the same on every rank), what ``collectives.mla_decode_step_bytes`` says
-for the group's collective world, their ratio next to (K - 1)/(D - 1), the
-worst error of each run against the float64 reference, and the two runs'
-wall times as a ratio (after / before; the whole run, every group). Counts
-are exact on any machine; a replicated group (K = 1) attends locally and
-moves nothing; K = D moves what unpatched vLLM moves (``--baseline``).
+its process groups ran counted in every rank. Printed per (D, K): the bytes
+each rank sends plus receives in one decode step before and after (the same
+on every rank), whether they equal ``collectives.mla_decode_step_bytes`` on
+the run's backend for the group's collective world, their ratio, the same
+ratio on NCCL (gloo runs the output reduce-scatter as an all-reduce), next
+to (K - 1)/(D - 1); the decode step's time before and after (the slowest
+rank's median of ``group.TIMED_STEPS``) and their ratio; the worst error of
+each run against the float64 reference; and the two runs' wall times as a
+ratio (after / before; the whole run, every group). Counts are exact on any
+machine; times on CPU are the Triton interpreter's with D processes sharing
+the cores, a ratio within one run, never a GPU's time. A replicated group
+(K = 1) attends locally and moves nothing; K = D moves what unpatched vLLM
+moves (``--baseline``).
 
 ``--output FILE`` also writes the rows as JSON.
 """
@@ -108,10 +113,23 @@ def measure(dcp: int, *, baseline: bool, progress: bool) -> list[dict[str, Any]]
                 "decode_tokens_per_step": g["decode_tokens_per_step"],
                 "bytes_per_rank_per_step": moved,
                 "formula_bytes_per_rank_per_step": g["formula_bytes_per_rank_per_step"],
+                "nccl_bytes_per_rank_per_step": g[
+                    "nccl_formula_bytes_per_rank_per_step"
+                ],
+                "dcp_group_nccl_bytes_per_rank_per_step": b[
+                    "nccl_formula_bytes_per_rank_per_step"
+                ],
+                "decode_step_s": g["decode_step_s"],
+                "dcp_group_decode_step_s": b["decode_step_s"],
+                "step_time_ratio_vs_dcp_group": g["decode_step_s"] / b["decode_step_s"],
                 "matches_formula": g["traffic_matches_formula"]
                 and b["traffic_matches_formula"],
                 "dcp_group_bytes_per_rank_per_step": wide,
                 "bytes_ratio_vs_dcp_group": None if not wide else moved / wide,
+                "nccl_bytes_ratio_vs_dcp_group": None
+                if not wide
+                else g["nccl_formula_bytes_per_rank_per_step"]
+                / b["nccl_formula_bytes_per_rank_per_step"],
                 "ring_ratio_k_over_d": (k - 1) / (dcp - 1),
                 "attention_work_vs_sharded": g["attention_work_vs_sharded"],
                 "dcp_group_attention_work_vs_sharded": b["attention_work_vs_sharded"],
@@ -149,7 +167,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             count(r["bytes_per_rank_per_step"]),
             "yes" if r["matches_formula"] else "NO",
             ratio(r["bytes_ratio_vs_dcp_group"]),
+            ratio(r["nccl_bytes_ratio_vs_dcp_group"]),
             ratio(r["ring_ratio_k_over_d"]),
+            f"{r['dcp_group_decode_step_s'] * 1e3:.1f} -> "
+            f"{r['decode_step_s'] * 1e3:.1f}",
+            ratio(r["step_time_ratio_vs_dcp_group"]),
             f"{r['dcp_group_attention_work_vs_sharded']:g} -> "
             f"{r['attention_work_vs_sharded']:g}",
             err(r["dcp_group_max_abs_error"]),
@@ -168,14 +190,17 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             "after bytes",
             "formula",
             "after/before",
+            "NCCL after/before",
             "(K-1)/(D-1)",
+            "step ms",
+            "step after/before",
             "work vs K=D",
             "before err",
             "after err",
             "unpatched bytes",
         ],
         table,
-        right={0, 1, 3, 4, 5, 7, 8, 10, 11, 12},
+        right={0, 1, 3, 4, 5, 7, 8, 9, 10, 11, 13, 14, 15},
     )
 
 
@@ -197,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "MLA decode step: bytes each rank sends + receives through the DCP and "
         f"replica groups ({rows[0]['decode_tokens_per_step']} decode tokens, 2 "
-        "heads per rank, latent 256 + rope 64, fp32; counted in every worker "
-        "process); before: partial groups on the D-wide group, after: within "
+        "heads per rank, latent 512 + rope 64, bfloat16, gloo; counted in every "
+        "worker process); before: partial groups on the D-wide group, after: within "
         "their K-rank replica"
     )
     print(format_rows(rows))

@@ -72,12 +72,16 @@ def _ranks(capsys: Any, *args: str) -> tuple[int, dict[str, Any]]:
     return code, json.loads(capsys.readouterr().out)
 
 
-def _decode_bytes(world: int, tokens: int, shape: dict[str, Any]) -> int:
-    """vLLM's MLA decode step over W ranks, restated: a ring all-gather of
-    the [T, h, L + R] query and of the [T, W h] LSE (TRITON_MLA keeps it in
-    the query's dtype), and a ring reduce-scatter of the [T, W h, L] partial
-    output; each rank sends and receives (W - 1) / W of what the collective
-    moves, each way."""
+def _decode_bytes(
+    world: int, tokens: int, shape: dict[str, Any], *, gloo: bool = True
+) -> int:
+    """vLLM's MLA decode step over W ranks on gloo, restated: a ring
+    all-gather of the [T, h, L + R] query and of the [T, W h] LSE (TRITON_MLA
+    keeps it in the query's dtype), and the reduce-scatter of the [T, W h, L]
+    partial output, which gloo runs as a ring all-reduce of all of it (a
+    reduce-scatter then an all-gather: each rank sends and receives
+    (W - 1) / W of it twice, each way); NCCL runs the reduce-scatter itself
+    (once)."""
     if world == 1:
         return 0
     h = shape["heads_per_rank"]
@@ -85,7 +89,8 @@ def _decode_bytes(world: int, tokens: int, shape: dict[str, Any]) -> int:
     query = tokens * h * (shape["kv_lora_rank"] + shape["rope_dim"]) * e
     lse = tokens * world * h * e
     out = tokens * world * h * shape["kv_lora_rank"] * e
-    return 2 * (world - 1) * (query + lse) + 2 * (world - 1) * out // world
+    ways = 4 if gloo else 2
+    return 2 * (world - 1) * (query + lse) + ways * (world - 1) * out // world
 
 
 def _allowed(g: dict[str, Any], phase: str, kind: str, longest: int) -> float:
@@ -306,8 +311,14 @@ def test_collective_bytes_are_ring_traffic(world: int) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_step_formula(world: int, tokens: int, dtype: str) -> None:
     shape = Shape(3, 512, 64, dtype, max_model_len=64)
-    got = shape.decode_step_bytes(world, tokens)
-    assert got == _decode_bytes(world, tokens, shape.to_dict())
+    nccl = shape.decode_step_bytes(world, tokens)
+    assert nccl == shape.decode_step_bytes(world, tokens, "nccl")
+    assert nccl == _decode_bytes(world, tokens, shape.to_dict(), gloo=False)
+    gloo = shape.decode_step_bytes(world, tokens, "gloo")
+    assert gloo == _decode_bytes(world, tokens, shape.to_dict())
+    assert (gloo > nccl) == (world > 1)
+    with pytest.raises(ValueError, match="unknown backend"):
+        shape.decode_step_bytes(world, tokens, "mpi")
 
 
 # The KV-write stand-in against the contract --------------------------------------
@@ -362,19 +373,19 @@ def test_the_kv_write_stand_in_writes_the_contracts_slots(
 
 
 def test_the_worker_pins_what_it_wraps_and_stands_in_for() -> None:
-    """Every vLLM symbol a worker wraps to measure (``measuring.METERED``) or
-    stands in for on CPU (``cpu_stand_ins.STAND_IN_SYMBOLS``) has, in the
+    """Every vLLM symbol a worker wraps to measure (``measuring.METERED``
+    and ``PYNCCL_METERED``) or stands in for on CPU (``cpu_stand_ins.STAND_IN_SYMBOLS``) has, in the
     installed vLLM, the parameters its code was written against; a changed
     parameter list is refused."""
     import dataclasses
 
     from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, verify_symbol
-    from vllm_dcp_geometry.tooling.cli.ranks.measuring import METERED
+    from vllm_dcp_geometry.tooling.cli.ranks.measuring import METERED, PYNCCL_METERED
     from vllm_dcp_geometry.tooling.cpu_stand_ins import STAND_IN_SYMBOLS
 
-    for symbol in (*METERED, *STAND_IN_SYMBOLS):
+    for symbol in (*METERED, *PYNCCL_METERED, *STAND_IN_SYMBOLS):
         verify_symbol(symbol)
-    for symbol in (METERED[0], STAND_IN_SYMBOLS[0]):
+    for symbol in (METERED[0], PYNCCL_METERED[0], STAND_IN_SYMBOLS[0]):
         changed = dataclasses.replace(symbol, parameters="self, x")
         with pytest.raises(UpstreamChangedError, match="parameters changed"):
             verify_symbol(changed)
@@ -422,7 +433,8 @@ def test_the_interpreter_dot_stand_in_multiplies_bfloat16_values() -> None:
 
 def test_meters_on_a_changed_vllm_wrap_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """``install_meters`` is all or nothing: one changed symbol (here the
-    last) and no collective or attention function is wrapped."""
+    last) and no communicator or attention function is wrapped; with torch's
+    flight recorder off it refuses to count at all."""
     import importlib
 
     from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, UpstreamSymbol
@@ -430,7 +442,7 @@ def test_meters_on_a_changed_vllm_wrap_nothing(monkeypatch: pytest.MonkeyPatch) 
 
     def metered() -> list[object]:
         found = []
-        for symbol in measuring.METERED:
+        for symbol in (*measuring.METERED, *measuring.PYNCCL_METERED):
             owner: object = importlib.import_module(symbol.module)
             *path, name = symbol.qualname.split(".")
             for part in path:
@@ -439,6 +451,10 @@ def test_meters_on_a_changed_vllm_wrap_nothing(monkeypatch: pytest.MonkeyPatch) 
         return found
 
     before = metered()
+    monkeypatch.delenv(measuring.FLIGHT_RECORDER_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="flight recorder is off"):
+        measuring.install_meters.__wrapped__()
+    monkeypatch.setenv(measuring.FLIGHT_RECORDER_ENV, "64")
     changed = UpstreamSymbol(measuring.TRITON_MLA, "TritonMLAImpl.forward_mqa", "q")
     monkeypatch.setattr(measuring, "METERED", (*measuring.METERED, changed))
     with pytest.raises(UpstreamChangedError, match=r"TritonMLAImpl\.forward_mqa"):
@@ -488,3 +504,62 @@ def test_bad_input_is_one_line_and_exit_2(
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+# Traffic counted where it happens --------------------------------------------------
+
+
+def test_traffic_is_counted_where_it_happens() -> None:
+    """Two gloo ranks with the ``ranks`` worker's distributed state issue a
+    collective through each API a forward could use inside the meter's
+    counted block (``traffic_worker.CASES``): vLLM's ``GroupCoordinator``,
+    ``torch.distributed`` on the DCP device group directly, a functional
+    collective, a broadcast on the DCP CPU group and an all-reduce on the TP
+    group. Every one is counted, once, at the bytes the ring model gives its
+    input, restated here: the coordinator's reduce-scatter as the all-reduce
+    gloo runs it, the broadcast as unmodeled (0 bytes, named), the TP one
+    under the TP group's vLLM name (``tp:0``); the all-gather before the
+    block is not."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.support.processes import REPO_ROOT
+    from tests.support.traffic_worker import CASES, ELEMENTS
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.support.traffic_worker", str(r), str(port)],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [w.communicate(timeout=300) for w in workers]
+    for worker, (_, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+    n = ELEMENTS * 4
+    gather, reduce = 2 * (2 - 1) * n, 4 * (2 - 1) * n // 2
+    want = [
+        ("all_gather", "dcp", gather),
+        ("all_reduce", "dcp", reduce),
+        ("all_gather", "dcp", gather),
+        ("all_gather", "dcp", gather),
+        (None, "dcp", 0),
+        ("all_reduce", "other:tp:0", reduce),
+    ]
+    assert len(want) == len(CASES)
+    for out, _ in outputs:
+        result = json.loads(out.strip().splitlines()[-1])
+        seen = [(c["op"], c["group"], c["moved"]) for c in result["collectives"]]
+        assert seen == want, result
+        assert all(
+            c["world"] == 2 and c["input_bytes"] == n for c in result["collectives"]
+        )
+        assert result["total"] == sum(moved for _, _, moved in want)
+        assert result["unmodeled"] == ["gloo:broadcast on dcp"]

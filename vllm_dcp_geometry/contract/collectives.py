@@ -138,6 +138,25 @@ COLLECTIVES = (
 )
 """The collectives ``collective_bytes`` models."""
 
+NCCL = "nccl"
+GLOO = "gloo"
+
+BACKEND_RUNS_AS = {NCCL: {}, GLOO: {"reduce_scatter": "all_reduce"}}
+"""How a process-group backend runs a requested collective where it does
+not run it as itself: torch's gloo backend has no tensor reduce-scatter and
+runs ``reduce_scatter_tensor`` as an all-reduce of the whole input (its own
+flight recorder names the call ``gloo:all_reduce``, as ``ranks`` counts it).
+NCCL runs every collective as itself: GPUs, and what ``plan`` reports."""
+
+
+def runs_as(op: str, backend: str) -> str:
+    """The collective ``backend`` runs for a requested ``op``."""
+    if backend not in BACKEND_RUNS_AS:
+        raise ValueError(
+            f"unknown backend {backend!r}; one of {tuple(BACKEND_RUNS_AS)}"
+        )
+    return BACKEND_RUNS_AS[backend].get(op, op)
+
 
 def collective_bytes(op: str, world_size: int, input_bytes: int) -> int:
     """Bytes one rank sends plus receives in one ``op`` over ``world_size``
@@ -175,6 +194,7 @@ def dcp_decode_step_bytes(
     output_head_dim: int,
     dtype_bytes: int,
     lse_bytes: int = 4,
+    backend: str = NCCL,
 ) -> int:
     """Bytes one rank sends plus receives in one DCP decode step of
     ``tokens`` tokens over a collective world of ``world_size`` ranks on vLLM
@@ -187,16 +207,17 @@ def dcp_decode_step_bytes(
       keeping [T, h, O].
 
     Total 2 (W - 1) T (h Q e + W h l + h O e) for element size e and LSE size
-    l; 0 for W = 1 (local attention).
+    l on NCCL; 0 for W = 1 (local attention). On gloo the reduce-scatter runs
+    as an all-reduce (``BACKEND_RUNS_AS``): its term doubles.
     """
     t, h, w = tokens, heads_per_rank, world_size
     query = t * h * query_head_dim * dtype_bytes
     lse = t * w * h * lse_bytes
     partial_out = t * w * h * output_head_dim * dtype_bytes
     return (
-        collective_bytes("all_gather", w, query)
-        + collective_bytes("all_gather", w, lse)
-        + collective_bytes("reduce_scatter", w, partial_out)
+        collective_bytes(runs_as("all_gather", backend), w, query)
+        + collective_bytes(runs_as("all_gather", backend), w, lse)
+        + collective_bytes(runs_as("reduce_scatter", backend), w, partial_out)
     )
 
 
@@ -209,6 +230,7 @@ def mla_decode_step_bytes(
     rope_dim: int,
     dtype_bytes: int,
     lse_bytes: int = 4,
+    backend: str = NCCL,
 ) -> int:
     """``dcp_decode_step_bytes`` of an MLA layer: latent queries of
     ``L + R`` (``kv_lora_rank + rope_dim``) and latent outputs of ``L``. A
@@ -222,4 +244,5 @@ def mla_decode_step_bytes(
         output_head_dim=kv_lora_rank,
         dtype_bytes=dtype_bytes,
         lse_bytes=lse_bytes,
+        backend=backend,
     )

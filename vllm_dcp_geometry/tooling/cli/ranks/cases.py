@@ -29,6 +29,7 @@ from typing import Any
 from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.contract.attention_backends import collectives_within_replica
 from vllm_dcp_geometry.contract.collectives import (
+    NCCL,
     REPLICA,
     collective_world_size,
     mla_decode_step_bytes,
@@ -75,9 +76,12 @@ class Shape:
         """Bytes of one LSE as ``BACKEND`` hands it on: the query's dtype."""
         return self.dtype_bytes
 
-    def decode_step_bytes(self, world_size: int, tokens: int) -> int:
+    def decode_step_bytes(
+        self, world_size: int, tokens: int, backend: str = NCCL
+    ) -> int:
         """What one rank moves decoding ``tokens`` in one layer of this shape
-        over ``world_size`` ranks (``collectives.mla_decode_step_bytes``)."""
+        over ``world_size`` ranks on ``backend``
+        (``collectives.mla_decode_step_bytes``)."""
         return mla_decode_step_bytes(
             world_size,
             tokens=tokens,
@@ -86,6 +90,7 @@ class Shape:
             rope_dim=self.rope_dim,
             dtype_bytes=self.dtype_bytes,
             lse_bytes=self.lse_bytes,
+            backend=backend,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -43,6 +43,10 @@ from vllm_dcp_geometry.tooling.mla_rank_run import magnitude, max_error, mla_ref
 Requests = list[tuple[int, int]]
 """``(context, new)`` tokens per request."""
 
+TIMED_STEPS = 3
+"""Decode steps timed per group after the counted one; the median is
+reported."""
+
 
 @dataclass(frozen=True)
 class RankRun:
@@ -324,6 +328,36 @@ def run_forward(
     return output, seen
 
 
+def time_decode_steps(
+    inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
+) -> float:
+    """Seconds of one decode step of this rank (the builder's ``build`` and
+    ``forward_impl``, as ``run_forward`` runs them), the median of
+    ``TIMED_STEPS``, every rank starting each one together (a barrier on the
+    world group, outside the step); on CUDA the device is synchronised around
+    each step."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    world = parallel_state.get_world_group().cpu_group
+    cuda = run.device.startswith("cuda")
+    seconds = []
+    for _ in range(TIMED_STEPS):
+        dist.barrier(group=world)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run_forward(inputs, set_up, run, cache)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def _decode_lse_error(
     set_up: GroupSetUp, seen: dict[str, Any], expected: Any, run: RankRun
 ) -> float | None:
@@ -383,6 +417,7 @@ def run_phase(
     if phase == "decode":
         lse_error = _decode_lse_error(set_up, seen, expected["lse"], run)
         report["decode_tokens"] = inputs.q.shape[0]
+        report["decode_step_s"] = time_decode_steps(inputs, set_up, run, cache)
         report["impl_dcp_world_size"] = int(set_up.layer.impl.dcp_world_size)
     else:
         lse_error = _context_lse_error(set_up, seen, expected["context_lse"], run)
@@ -393,7 +428,9 @@ def run_phase(
         expected["lse" if phase == "decode" else "context_lse"]
     )
     report[f"{phase}_bytes"] = traffic.total
-    report[f"{phase}_bytes_by_op"] = dict(traffic.by_op)
+    report[f"{phase}_bytes_by_op"] = traffic.by_op
+    report[f"{phase}_bytes_by_group"] = traffic.by_group
+    report[f"{phase}_unmodeled_collectives"] = traffic.unmodeled
     report[f"{phase}_collective_calls"] = traffic.calls
     report[f"{phase}_collective_worlds"] = sorted(traffic.worlds)
     return report

@@ -1,10 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """What a ``ranks`` worker measures of vLLM's own code: the bytes its
-collectives move through the DCP and replica groups (``Traffic``) and the
-LSEs its MLA attention hands on (``LseRecorder``).
+collectives move (``Traffic``) and the LSEs its MLA attention hands on
+(``LseRecorder``).
 
-``install_meters`` puts both in place once per worker process through the
+Collectives are counted where they happen, not where an API issues them:
+torch's flight recorder keeps every collective of every process group
+(gloo and NCCL, whether ``GroupCoordinator``, ``torch.distributed`` or the
+functional collectives issued it), and vLLM's own NCCL communicators
+(``PyNcclCommunicator``, outside torch's process groups) are wrapped. So a
+collective a patch or vLLM adds anywhere in the forward is seen, on the
+DCP group, a replica group or any other group.
+
+``install_meters`` puts the wrappers in place once per worker process through the
 patch framework: every upstream symbol is pinned to the parameters its
 wrapper was written against (``METERED``, checked by ``verify_symbol``), and
 each is replaced by ``wrap`` inside ``undo_on_error``, so a vLLM that changed
@@ -20,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
+import json
+import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,36 +43,29 @@ from vllm_dcp_geometry.runtime.patching import (
     wrap,
 )
 
-PARALLEL_STATE = "vllm.distributed.parallel_state"
-TORCH_DISTRIBUTED = "torch.distributed"
 DCP_OPS = "vllm.v1.attention.ops.dcp"
 MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
 TRITON_MLA = "vllm.v1.attention.backends.mla.triton_mla"
+PYNCCL = "vllm.distributed.device_communicators.pynccl"
 
-COORDINATOR_OPS = ("all_gather", "reduce_scatter", "all_reduce")
-"""``GroupCoordinator`` methods counted; the tensor is their ``input_``."""
-
-DEVICE_GROUP_OPS = ("all_gather_into_tensor", "all_to_all_single")
-"""``torch.distributed`` calls vLLM makes on a group's device group directly
-(the context KV gather, the all-to-all combine); the rank's own tensor is
-their second argument."""
+PYNCCL_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_gatherv": None,
+    "reduce_scatterv": None,
+    "reduce": None,
+    "scatter": None,
+    "broadcast": None,
+    "send": None,
+    "recv": None,
+    "batch_isend_irecv": None,
+}
+"""``PyNcclCommunicator`` methods (vLLM's own NCCL communicators, outside
+torch's process groups) and the collective each models, None where the
+ring model has no formula: such a call is counted as unmodeled."""
 
 METERED = (
-    UpstreamSymbol(PARALLEL_STATE, "GroupCoordinator.all_gather", "self, input_, dim="),
-    UpstreamSymbol(
-        PARALLEL_STATE, "GroupCoordinator.reduce_scatter", "self, input_, dim="
-    ),
-    UpstreamSymbol(PARALLEL_STATE, "GroupCoordinator.all_reduce", "self, input_"),
-    UpstreamSymbol(
-        TORCH_DISTRIBUTED,
-        "all_gather_into_tensor",
-        "output_tensor, input_tensor, group=, async_op=",
-    ),
-    UpstreamSymbol(
-        TORCH_DISTRIBUTED,
-        "all_to_all_single",
-        "output, input, output_split_sizes=, input_split_sizes=, group=, async_op=",
-    ),
     UpstreamSymbol(
         DCP_OPS, "correct_attn_out", "out, lses, cp_rank, ctx, is_lse_base_on_e="
     ),
@@ -78,94 +81,298 @@ METERED = (
         "self, q, kv_c_and_k_pe_cache, attn_metadata, layer",
     ),
 )
-"""Every upstream symbol the meters wrap, with the parameters their wrappers
-were written against."""
+"""Every upstream symbol the LSE meters wrap, with the parameters their
+wrappers were written against."""
+
+PYNCCL_METERED = (
+    UpstreamSymbol(
+        PYNCCL,
+        "PyNcclCommunicator.all_reduce",
+        "self, in_tensor, out_tensor=, op=, stream=",
+    ),
+    UpstreamSymbol(
+        PYNCCL,
+        "PyNcclCommunicator.all_gather",
+        "self, output_tensor, input_tensor, stream=",
+    ),
+    UpstreamSymbol(
+        PYNCCL,
+        "PyNcclCommunicator.reduce_scatter",
+        "self, output_tensor, input_tensor, op=, stream=",
+    ),
+)
+"""The modeled ``PyNcclCommunicator`` methods, pinned to the parameters the
+byte count reads (the input is the rank's own tensor of ``all_gather`` and
+the whole tensor of the others); the unmodeled ones are counted by name."""
 
 
-# Collective traffic -------------------------------------------------------------
+# Collective traffic, counted where it happens ----------------------------------
+
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_RECORDER_ENTRIES = 1 << 16
+"""Collectives torch's flight recorder keeps per process: far more than one
+forward issues (``Traffic.counted`` fails loudly if it ever dropped one)."""
+
+SCALAR_TYPE_BYTES = {
+    "Double": 8,
+    "Float": 4,
+    "Half": 2,
+    "BFloat16": 2,
+    "Long": 8,
+    "Int": 4,
+    "Short": 2,
+    "Char": 1,
+    "Byte": 1,
+    "Bool": 1,
+    "Float8_e4m3fn": 1,
+    "Float8_e5m2": 1,
+    "Float8_e4m3fnuz": 1,
+    "Float8_e5m2fnuz": 1,
+}
+"""Element sizes by the name torch's flight recorder gives a dtype (c10's
+``ScalarType``)."""
+
+RECORDED_OPS = (
+    ("allgather", "all_gather"),
+    ("reducescatter", "reduce_scatter"),
+    ("allreduce", "all_reduce"),
+    ("alltoall", "all_to_all_single"),
+)
+"""How a recorded collective's name (``gloo:all_gather``,
+``nccl:_reduce_scatter_base``, ``nccl:all_gather_into_tensor_coalesced``)
+starts, without its backend and underscores, for each modeled collective."""
+
+
+def enable_flight_recorder() -> None:
+    """Have torch record every collective of this process's process groups;
+    call it before the first group exists (the recorder is sized then)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "ranks: the flight recorder must be sized before the first process "
+            "group exists"
+        )
+    os.environ[FLIGHT_RECORDER_ENV] = str(FLIGHT_RECORDER_ENTRIES)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective this rank issued: what the ring model calls it (None:
+    no formula), the name it was recorded by, the group it ran on and the
+    bytes of its input."""
+
+    op: str | None
+    recorded_as: str
+    group: str
+    world: int
+    input_bytes: int
+
+    @property
+    def moved(self) -> int:
+        if self.op is None:
+            return 0
+        return collective_bytes(self.op, self.world, self.input_bytes)
+
+
+def recorded_op(name: str) -> str | None:
+    """The modeled collective a flight-recorder entry named ``name`` is
+    (None: one the ring model has no formula for, a broadcast or a send)."""
+    bare = name.rpartition(":")[2].lower().replace("_", "")
+    return next((op for prefix, op in RECORDED_OPS if bare.startswith(prefix)), None)
+
+
+def entry_input_bytes(entry: dict[str, Any]) -> int:
+    """The bytes of a recorded collective's inputs, from its sizes and dtypes."""
+    total = 0
+    for sizes, dtype in zip(entry["input_sizes"], entry["input_dtypes"], strict=True):
+        if dtype not in SCALAR_TYPE_BYTES:
+            raise RuntimeError(
+                f"ranks: a collective {entry['profiling_name']} of dtype {dtype} "
+                "this meter has no element size for"
+            )
+        total += math.prod(sizes) * SCALAR_TYPE_BYTES[dtype]
+    return total
+
+
+def _flight_recorder_dumps(backend: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Every recorder's entries: gloo's (torch's generic recorder) and, on
+    NCCL, NCCL's own."""
+    import torch._C._distributed_c10d as c10d
+
+    dumps = [("gloo", c10d._dump_fr_trace_json)]
+    if backend == "nccl":
+        dumps.append(("nccl", c10d._dump_nccl_trace_json))
+    return [
+        (
+            name,
+            json.loads(dump(includeCollectives=True, onlyActive=False)).get(
+                "entries", []
+            ),
+        )
+        for name, dump in dumps
+    ]
+
+
+def _named_coordinators() -> list[tuple[str, Any]]:
+    """The DCP ``GroupCoordinator`` and this rank's replica groups, by the
+    label their traffic is counted under."""
+    from vllm.distributed import parallel_state
+
+    from vllm_dcp_geometry.runtime.replica_groups import made_replica_groups
+
+    named = [("dcp", parallel_state._DCP)]
+    named += [("replica", g) for g in made_replica_groups().values()]
+    return [(label, g) for label, g in named if g is not None]
+
+
+def _group_label(process_group_name: str) -> tuple[str, int]:
+    """Which group a recorded process group is (``dcp``, ``replica``, or
+    ``other:`` and the vLLM group or process group it is) and its world
+    size."""
+    import torch.distributed.distributed_c10d as c10d
+    from vllm.distributed import parallel_state
+
+    others = [(name, ref()) for name, ref in parallel_state._groups.items()]
+    named = _named_coordinators()
+    named += [(f"other:{name}", g) for name, g in others if g is not None]
+    for label, coordinator in named:
+        for group in (coordinator.device_group, coordinator.cpu_group):
+            if c10d._get_process_group_name(group) == process_group_name:
+                return label, coordinator.world_size
+    group = c10d._resolve_process_group(process_group_name)
+    return f"other:{group.group_desc}", group.size()
 
 
 @dataclass
 class Traffic:
-    """Bytes this rank sent plus received through the DCP group and the
-    replica groups, by collective, while ``counted`` runs; the model of one
-    call is ``collectives.collective_bytes``. A collective made inside a
-    counted one (a coordinator's own device-group call) is not counted
-    again."""
+    """Every collective this rank issued while ``counted`` ran, and the bytes
+    it sent plus received (``collectives.collective_bytes``): whatever API
+    issued it, as torch's process groups recorded it (gloo and NCCL, through
+    the flight recorder), and vLLM's own NCCL communicators' calls
+    (``PyNcclCommunicator``, which bypass torch's process groups). A
+    collective with no formula is kept as ``unmodeled``; one on a group
+    other than the DCP and replica groups is counted too, under its group's
+    name."""
 
+    backend: str = "gloo"
     counting: bool = False
-    total: int = 0
-    calls: int = 0
-    by_op: dict[str, int] = field(default_factory=dict)
-    worlds: set[int] = field(default_factory=set)
-    _inside: threading.local = field(default_factory=threading.local, repr=False)
+    collectives: list[Collective] = field(default_factory=list)
+    _marks: dict[str, int] = field(default_factory=dict, repr=False)
 
-    def add(self, op: str, world: int, tensor: Any) -> None:
-        depth: int = getattr(self._inside, "depth", 0)
-        if not self.counting or depth > 0:
-            return
-        moved = collective_bytes(op, world, tensor.numel() * tensor.element_size())
-        self.by_op[op] = self.by_op.get(op, 0) + moved
-        self.total += moved
-        self.calls += 1
-        self.worlds.add(world)
+    @property
+    def total(self) -> int:
+        return sum(c.moved for c in self.collectives)
 
-    @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
-        self._inside.depth = getattr(self._inside, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self._inside.depth -= 1
+    @property
+    def calls(self) -> int:
+        return len(self.collectives)
 
-    def reset(self) -> None:
-        self.total = self.calls = 0
-        self.by_op = {}
-        self.worlds = set()
+    @property
+    def by_op(self) -> dict[str, int]:
+        moved: dict[str, int] = {}
+        for c in self.collectives:
+            key = c.op or c.recorded_as
+            moved[key] = moved.get(key, 0) + c.moved
+        return moved
+
+    @property
+    def by_group(self) -> dict[str, int]:
+        moved: dict[str, int] = {}
+        for c in self.collectives:
+            moved[c.group] = moved.get(c.group, 0) + c.moved
+        return moved
+
+    @property
+    def worlds(self) -> set[int]:
+        return {c.world for c in self.collectives}
+
+    @property
+    def unmodeled(self) -> list[str]:
+        return sorted(
+            {f"{c.recorded_as} on {c.group}" for c in self.collectives if c.op is None}
+        )
+
+    def add(self, collective: Collective) -> None:
+        if self.counting:
+            self.collectives.append(collective)
+
+    def _mark(self) -> None:
+        self._marks = {
+            source: max((e["record_id"] for e in entries), default=-1)
+            for source, entries in _flight_recorder_dumps(self.backend)
+        }
+
+    def _read_recorded(self) -> list[Collective]:
+        found = []
+        for source, entries in _flight_recorder_dumps(self.backend):
+            mark = self._marks.get(source, -1)
+            new = sorted(
+                (e for e in entries if e["record_id"] > mark and not e["is_p2p"]),
+                key=lambda e: e["record_id"],
+            )
+            if new and new[0]["record_id"] != mark + 1:
+                raise RuntimeError(
+                    f"ranks: torch's {source} flight recorder dropped collectives "
+                    f"{mark + 1}..{new[0]['record_id'] - 1} (more than "
+                    f"{FLIGHT_RECORDER_ENTRIES} in one forward)"
+                )
+            for e in new:
+                label, world = _group_label(e["process_group"][0])
+                found.append(
+                    Collective(
+                        op=recorded_op(e["profiling_name"]),
+                        recorded_as=e["profiling_name"],
+                        group=label,
+                        world=world,
+                        input_bytes=entry_input_bytes(e),
+                    )
+                )
+        return found
 
     @contextlib.contextmanager
     def counted(self) -> Iterator[None]:
         """Count from zero while the block runs."""
-        self.reset()
+        self.collectives = []
+        self._mark()
         self.counting = True
         try:
             yield
         finally:
             self.counting = False
+        self.collectives = self._read_recorded() + self.collectives
 
 
-def _counted_groups() -> list[Any]:
-    """The DCP ``GroupCoordinator`` and this rank's replica groups."""
-    from vllm.distributed import parallel_state
+def _pynccl_group(comm: Any) -> tuple[str, int]:
+    """Which group owns a ``PyNcclCommunicator`` and its world size."""
+    for label, coordinator in _named_coordinators():
+        device_comm = getattr(coordinator, "device_communicator", None)
+        if getattr(device_comm, "pynccl_comm", None) is comm:
+            return label, coordinator.world_size
+    return "other:pynccl", comm.world_size
 
-    from vllm_dcp_geometry.runtime.replica_groups import made_replica_groups
 
-    groups = [parallel_state._DCP, *made_replica_groups().values()]
-    return [g for g in groups if g is not None]
-
-
-def _count_coordinator_call(
-    original: Callable[..., Any], traffic: Traffic, op: str
+def _count_pynccl_call(
+    original: Callable[..., Any], traffic: Traffic, method: str
 ) -> Callable[..., Any]:
-    def counted(self: Any, input_: Any, *args: Any, **kwargs: Any) -> Any:
-        if any(self is g for g in _counted_groups()):
-            traffic.add(op, self.world_size, input_)
-        with traffic.inside():
-            return original(self, input_, *args, **kwargs)
+    op = PYNCCL_OPS[method]
 
-    return counted
-
-
-def _count_device_group_call(
-    original: Callable[..., Any], traffic: Traffic, op: str
-) -> Callable[..., Any]:
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        group = kwargs.get("group")
-        for owner in _counted_groups():
-            if group is owner.device_group:
-                traffic.add(op, owner.world_size, args[1])
-        with traffic.inside():
-            return original(*args, **kwargs)
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if traffic.counting and not getattr(self, "disabled", False):
+            own = args[1] if method in ("all_gather", "reduce_scatter") else args[0]
+            group, world = _pynccl_group(self)
+            traffic.add(
+                Collective(
+                    op=op,
+                    recorded_as=f"pynccl:{method}",
+                    group=group,
+                    world=world,
+                    input_bytes=own.numel() * own.element_size()
+                    if op is not None
+                    else 0,
+                )
+            )
+        return original(self, *args, **kwargs)
 
     return counted
 
@@ -238,26 +445,34 @@ class Meters:
 
 
 @functools.cache
-def install_meters() -> Meters:
-    """Wrap every symbol of ``METERED`` (pinned, all or nothing), once per
-    process; the meters they report to. Call it before any MLA builder or
-    layer exists: a builder binds the KV gather function when it is made,
-    and a bound impl keeps the ``forward_mqa`` it found."""
-    import torch.distributed as dist
-    from vllm.distributed import parallel_state
+def install_meters(backend: str = "gloo") -> Meters:
+    """Wrap every symbol of ``METERED`` and ``PYNCCL_METERED`` (pinned, all
+    or nothing) and every method of ``PYNCCL_OPS``, once per process; the
+    meters they report to. Call it after ``enable_flight_recorder`` and
+    before any MLA builder or layer exists: a bound impl keeps the
+    ``forward_mqa`` it found."""
+    from vllm.distributed.device_communicators import pynccl
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.v1.attention.backends.mla import triton_mla
     from vllm.v1.attention.ops import dcp
 
-    meters = Meters(Traffic(), LseRecorder())
+    if int(os.environ.get(FLIGHT_RECORDER_ENV, "0")) <= 0:
+        raise RuntimeError(
+            "ranks: torch's flight recorder is off (enable_flight_recorder "
+            "before the process groups): no collective would be counted"
+        )
+    meters = Meters(Traffic(backend), LseRecorder())
     with undo_on_error():
-        for symbol in METERED:
+        for symbol in (*METERED, *PYNCCL_METERED):
             verify_symbol(symbol)
-        coordinator = parallel_state.GroupCoordinator
-        for op in COORDINATOR_OPS:
-            wrap(coordinator, op, _count_coordinator_call, meters.traffic, op)
-        for op in DEVICE_GROUP_OPS:
-            wrap(dist, op, _count_device_group_call, meters.traffic, op)
+        for method in PYNCCL_OPS:
+            wrap(
+                pynccl.PyNcclCommunicator,
+                method,
+                _count_pynccl_call,
+                meters.traffic,
+                method,
+            )
         wrap(dcp, "correct_attn_out", _record_combined_lse, meters.lse)
         wrap(mla_attention, "merge_attn_states", _record_context_lse, meters.lse)
         wrap(triton_mla.TritonMLAImpl, "forward_mqa", _record_local_lse, meters.lse)

@@ -17,6 +17,10 @@ def _bytes(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
 
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
 def _shape(shape: dict[str, Any] | None) -> str:
     """``h x L+R dtype`` (heads per rank, latent and rope dims)."""
     if shape is None or shape.get("heads_per_rank") is None:
@@ -53,6 +57,7 @@ def format_table(report: dict[str, Any]) -> str:
                 _error(g["max_abs_error"]),
                 _error(g["max_lse_error"]),
                 _bytes(g["collective_bytes_per_rank_per_step"]),
+                _milliseconds(g.get("decode_step_s")),
                 _result(g),
             ]
         )
@@ -66,10 +71,11 @@ def format_table(report: dict[str, Any]) -> str:
             "max abs err",
             "max LSE err",
             "bytes/rank/step",
+            "step ms",
             "result",
         ],
         rows,
-        right={1, 4, 5, 6, 7},
+        right={1, 4, 5, 6, 7, 8},
     )
 
 
@@ -102,6 +108,25 @@ def _traffic_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _nccl_line(report: dict[str, Any]) -> list[str]:
+    """What the run's steps move on NCCL, where the run's backend moves
+    other bytes (gloo runs the reduce-scatter as an all-reduce)."""
+    differ = [
+        f"{g['name']} {g['nccl_formula_bytes_per_rank_per_step']:,}"
+        for g in report["groups"]
+        if g["status"] == "run"
+        and g["nccl_formula_bytes_per_rank_per_step"]
+        != g["formula_bytes_per_rank_per_step"]
+    ]
+    if not differ:
+        return []
+    return [
+        f"  {report['processes']['backend']} runs the output reduce-scatter as an "
+        "all-reduce of the whole input; on NCCL (plan's figures) the same steps "
+        "move: " + ", ".join(differ)
+    ]
+
+
 def format_report(report: dict[str, Any]) -> str:
     procs = report["processes"]
     version = report.get("vllm_version") or ""
@@ -121,8 +146,10 @@ def format_report(report: dict[str, Any]) -> str:
         "every rank against a float64 single-device reference over the same "
         f"dtype values (within {budget} roundoffs of the dtype, plus float32 "
         "accumulation, x max(1, |reference|)); W: ranks its collectives "
-        "span; bytes: sent + received per rank through the DCP and replica "
-        "groups in the decode step, which must equal the formula's",
+        "span; bytes: sent + received per rank in the decode step, every "
+        "collective its process groups and vLLM's NCCL communicators ran, "
+        f"which must equal the formula's on {procs['backend']}",
+        f"  step ms: {report['step_time']}",
     ]
     if report.get("partial_collectives"):
         where = (
@@ -143,6 +170,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("")
     lines.append(format_table(report))
     lines.extend(_traffic_lines(report))
+    lines.extend(_nccl_line(report))
     lines.append("")
     lines.append("OK" if report["ok"] else "FAILED")
     return "\n".join(lines)

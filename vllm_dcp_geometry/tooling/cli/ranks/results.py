@@ -17,12 +17,26 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_dcp_geometry.contract.collectives import (
+    GLOO,
+    NCCL,
     attention_work_ratio,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.cases import (
     Shape,
     decode_requests,
     prefill_requests,
+)
+
+STEP_TIME_CPU = (
+    "the slowest rank's median of 3 decode steps of one layer "
+    "(metadata build + forward_impl), CPU: vLLM's Triton kernels under the "
+    "interpreter, D processes sharing this machine's cores, gloo over loopback; "
+    "compare groups of one run only, never a GPU's time"
+)
+STEP_TIME_GPU = (
+    "the slowest rank's median of 3 decode steps of one layer "
+    "(metadata build + forward_impl, eager, synchronised), on the run's GPUs "
+    "with NCCL"
 )
 
 EPSILON = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
@@ -142,11 +156,18 @@ def _errors(ranks: list[dict[str, Any]], g: dict[str, Any]) -> dict[str, Any]:
 
 
 def _measured(
-    g: dict[str, Any], ranks: list[dict[str, Any]], *, dcp: int, patched: bool
+    g: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    *,
+    dcp: int,
+    patched: bool,
+    backend: str,
 ) -> dict[str, Any]:
     """What the ranks of a run group measured, against the plan and the
-    traffic formula at the group's shapes; the fields it adds to (or sets
-    in) the group's row."""
+    traffic formula at the group's shapes on the run's ``backend`` (every
+    collective the process groups and vLLM's NCCL communicators ran, none
+    unmodeled); the fields it adds to (or sets in) the group's row, with
+    what the same step moves on NCCL (what ``plan`` reports)."""
     shape = Shape(**g["shape"])
     attended = max(r["impl_dcp_world_size"] for r in ranks)
     # What the plan says the group's collectives span; unpatched vLLM runs
@@ -154,9 +175,19 @@ def _measured(
     planned = g["collective_world_size"] if patched else dcp
     decode = [r["decode_bytes"] for r in ranks]
     tokens = ranks[0]["decode_tokens"]
-    expected = shape.decode_step_bytes(planned, tokens)
+    expected = shape.decode_step_bytes(planned, tokens, backend)
     errors = _errors(ranks, g)
-    matches = all(b == expected for b in decode) and attended == planned
+    unmodeled = sorted(
+        {
+            c
+            for r in ranks
+            for phase in ("decode", "prefill")
+            for c in r[f"{phase}_unmodeled_collectives"]
+        }
+    )
+    matches = (
+        all(b == expected for b in decode) and attended == planned and not unmodeled
+    )
     return {
         "attention_mode": attention_mode(g["shard_count"], dcp)
         if patched
@@ -165,10 +196,16 @@ def _measured(
         "collective_bytes_per_rank_per_step": max(decode),
         "collective_bytes_by_rank": decode,
         "collective_bytes_by_op": ranks[0]["decode_bytes_by_op"],
+        "collective_bytes_by_group": ranks[0]["decode_bytes_by_group"],
+        "unmodeled_collectives": unmodeled,
         "decode_tokens_per_step": tokens,
         "formula_bytes_per_rank_per_step": expected,
+        "nccl_formula_bytes_per_rank_per_step": shape.decode_step_bytes(
+            planned, tokens, NCCL
+        ),
         "traffic_matches_formula": matches,
         "prefill_collective_bytes_per_rank": max(r["prefill_bytes"] for r in ranks),
+        "decode_step_s": max(r["decode_step_s"] for r in ranks),
         "attention_world_size": attended,
         "collective_world_size": planned,
         "collective_worlds_seen": sorted(
@@ -194,6 +231,7 @@ def merge(
 ) -> dict[str, Any]:
     """One report from the ranks' results."""
     dcp = topology.decode_context_parallel_size
+    backend = NCCL if gpu else GLOO
     rows = []
     for g in groups:
         row = _group_row(g, dcp)
@@ -202,7 +240,7 @@ def merge(
                 next(r for r in result["groups"] if r["name"] == g["name"])
                 for result in results
             ]
-            row.update(_measured(g, ranks, dcp=dcp, patched=patched))
+            row.update(_measured(g, ranks, dcp=dcp, patched=patched, backend=backend))
         rows.append(row)
     ran = [r for r in rows if r["status"] == "run"]
     first = results[0] if results else {}
@@ -223,7 +261,7 @@ def merge(
         },
         "processes": {
             "count": len(results),
-            "backend": "nccl" if gpu else "gloo",
+            "backend": backend,
             "device": "cuda" if gpu else "cpu",
             "tensor_parallel_size": dcp,
             "dcp_group": first.get("dcp_group"),
@@ -242,5 +280,6 @@ def merge(
             else f", query heads per rank divided by --scale {scale} (rounded up)"
         ),
         "elapsed_s": round(elapsed, 3),
+        "step_time": STEP_TIME_GPU if gpu else STEP_TIME_CPU,
         "groups": rows,
     }

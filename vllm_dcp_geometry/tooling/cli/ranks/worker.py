@@ -8,7 +8,8 @@ process loads the plugin through vLLM's own plugin loader
 point; an unpatched baseline child has ``VLLM_PLUGINS=""``), stands in for
 what a CPU lacks (``cpu_stand_ins``), initialises vLLM's real distributed
 state (``init_distributed_environment``, ``initialize_model_parallel`` with
-TP = DCP = D), installs its meters (``measuring``), makes the replica groups
+TP = DCP = D), installs its meters (``measuring``: torch's flight recorder sized before
+the first process group, so every collective is recorded), makes the replica groups
 with the very function every ``vllm serve`` worker calls
 (``replica_groups.make_replica_groups``, on the config such a worker holds:
 ``vllm_setup.serving_config``), then runs every MLA group of the plan at
@@ -28,7 +29,10 @@ from vllm_dcp_geometry.runtime.replica_groups import (
 )
 from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.group import PlannedGroup, RankRun, run_group
-from vllm_dcp_geometry.tooling.cli.ranks.measuring import install_meters
+from vllm_dcp_geometry.tooling.cli.ranks.measuring import (
+    enable_flight_recorder,
+    install_meters,
+)
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     model_dir,
     serving_config,
@@ -75,8 +79,9 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     path = model_dir(world, shape)
+    enable_flight_recorder()
     _init_distributed(plan, vllm_config(path, world, 1, 16, shape, device))
-    meters = install_meters()
+    meters = install_meters(plan["backend"])
     dcp = parallel_state.get_dcp_group()
     made = (
         make_replica_groups(serving_config(plan, shape, path, device))
