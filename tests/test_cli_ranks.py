@@ -16,7 +16,7 @@ reduce-scatter traffic of its collective world
 partial group within its replica groups (rule A6, made by the workers'
 start-up code), D ranks on the D-wide group (``--partial-collectives dcp``),
 with the same numerics; the KV-write stand-in at the contract's slots, and
-bad input (the default profile, with no group to run, among it). Unscaled
+bad input. Unscaled
 shapes, other dtypes and the byte check failing are in
 ``test_cli_ranks_shapes``.
 
@@ -270,25 +270,6 @@ def test_four_ranks_unpatched_wrong_for_every_k_below_d() -> None:
             assert g["max_abs_error"] > _loosest(g), g
         else:
             check_numerics(g)
-
-
-def test_the_default_profile_has_nothing_to_run_and_exit_2(capsys: Any) -> None:
-    """The default profile at --dcp 4: its MLA groups (target and draft) are
-    Kimi-K3's layer class and the rest recurrent, so no group runs: one
-    line naming every group and why, and no worker starts (this used to
-    exit 0 with OK and 0 groups run)."""
-    assert main(["ranks", "--dcp", "4", "--no-progress"]) == EXIT_BAD_INPUT
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    (line,) = captured.err.strip().splitlines()
-    assert "ranks: no group of kimi-k3-tp16-dcp16 can run here (D=4): " in line
-    mla = ", ".join(f"mla.{i}" for i in range(5))
-    assert (
-        f"{mla}, draft: not run: layer class "
-        "MultiHeadLatentAttention (its fused CUDA ops" in line
-    )
-    kda = ", ".join(f"kda.{i}" for i in range(14))
-    assert f"{kda}: no attention (recurrent state, not token-sharded)" in line
 
 
 # The traffic formula ----------------------------------------------------------

@@ -46,8 +46,8 @@ def test_a_run_the_memory_cannot_hold_is_refused_before_any_worker_starts(
     monkeypatch.setattr(run.subprocess, "Popen", lambda *a, **k: spawned.append(a))
     assert main(["ranks", "-p", PROFILE, "--no-progress"]) == EXIT_BAD_INPUT
     assert _one_line(capsys) == (
-        "vllm-dcp-geometry: error: ranks: D=4 needs about 5.2 GB (4 workers x "
-        "1.31 GB: 1.23 GB for vLLM and torch + 0.08 GB for group 'mla.k4' at "
+        "vllm-dcp-geometry: error: ranks: D=4 needs about 5.1 GB (4 workers x "
+        "1.28 GB: 1.23 GB for vLLM and torch + 0.05 GB for group 'mla.k4' at "
         "32 heads x 512+64 bfloat16), this machine has 2.0 GB available; use a "
         "smaller --dcp"
     )
@@ -55,14 +55,14 @@ def test_a_run_the_memory_cannot_hold_is_refused_before_any_worker_starts(
 
 
 def _wide_topology(path: Path) -> Path:
-    """512 query heads per rank over contexts of ~2,000 tokens (block 256,
-    K = D = 4): about 8.6 GB per worker for its tensors alone."""
+    """3,072 query heads per rank over contexts of ~2,000 tokens (block 256,
+    K = D = 4): several GB per worker for its tensors alone."""
     path.write_text(
         'name = "wide"\n[parallel]\ntensor_parallel_size = 4\n'
         "decode_context_parallel_size = 4\n[[groups]]\n"
         'name = "mla.wide"\nkind = "mla"\nlayers = ["model.layers.0.attn"]\n'
         "block_size = 256\nnum_kv_heads = 1\nhead_size = 576\n"
-        'kv_lora_rank = 512\nquery_heads = 2048\ndtype = "bfloat16"\n'
+        'kv_lora_rank = 512\nquery_heads = 12288\ndtype = "bfloat16"\n'
     )
     return path
 
@@ -83,10 +83,10 @@ def test_shapes_the_memory_cannot_hold_are_refused_naming_the_scale_that_fits(
     assert main(["ranks", "-t", str(path), "--no-progress"]) == EXIT_BAD_INPUT
     line = _one_line(capsys)
     assert "ranks: D=4 needs about " in line
-    assert "for group 'mla.wide' at 512 heads x 512+64 bfloat16" in line
+    assert "for group 'mla.wide' at 3072 heads x 512+64 bfloat16" in line
     assert line.endswith(
         "this machine has 12.0 GB available; run smaller shapes with --scale "
-        "8, or use a smaller --dcp"
+        "4, or use a smaller --dcp"
     )
     topology = load_topology_file(path)
 
@@ -96,9 +96,9 @@ def test_shapes_the_memory_cannot_hold_are_refused_naming_the_scale_that_fits(
         )
         resources.check_memory(topology, groups, scale)
 
-    check(8)
-    with pytest.raises(CliError, match="with --scale 8, or"):
-        check(4)
+    check(4)
+    with pytest.raises(CliError, match="with --scale 4, or"):
+        check(2)
 
 
 def test_available_memory_is_meminfos_else_psutils(tmp_path: Path) -> None:

@@ -19,8 +19,6 @@ plugin, so the unpatched baseline runs the same code.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,7 +32,6 @@ from tests.support.mla import (
     Rank,
     RankResult,
     Shape,
-    concat_and_cache_mla,
     cpu_shims,
     evaluate,
     forward_inputs,
@@ -48,68 +45,15 @@ from tests.support.mla import (
     simulated_collectives,
 )
 from vllm_dcp_geometry.contract import reference_slot_mapping
+from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+    KIMI_K3_FUSED_OPS,
+    kimi_k3_fused_op_stand_ins,
+)
 
-# Stand-ins for the fused CUDA ops ---------------------------------------------------
+# Stand-ins for the fused CUDA ops: the tooling's (``cpu_stand_ins``) --------------
 
-
-def _full_key(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    k_pe = k_pe.reshape(k_pe.shape[0], 1, -1).expand(-1, k_nope.shape[1], -1)
-    return torch.cat([k_nope, k_pe], dim=-1)
-
-
-def _insert(kv_c, k_pe, kv_cache, slot_mapping) -> None:
-    concat_and_cache_mla(
-        kv_c, k_pe.reshape(k_pe.shape[0], -1), kv_cache, slot_mapping, "auto", None
-    )
-
-
-def key_concat_kv_cache_insert(
-    q, k_nope, k_pe, kv_c, k_out, kv_cache, slot_mapping, block_size, positions, cos
-):  # fmt: skip
-    """``fused_kimi_k3_mla_key_concat_kv_cache_insert`` (bf16, no RoPE):
-    ``k_out = [k_nope | k_pe]`` per head; the latent ``[kv_c | k_pe]`` into
-    the paged cache at ``slot_mapping`` (negative slots write nothing)."""
-    assert positions is None and cos is None, "RoPE is not stood in for"
-    assert block_size == kv_cache.shape[1]
-    k_out.copy_(_full_key(k_nope, k_pe))
-    _insert(kv_c, k_pe, kv_cache, slot_mapping)
-
-
-def kv_concat(k_nope, k_pe, k_out) -> None:
-    """``fused_kimi_k3_mla_kv_concat``: ``k_out = [k_nope | k_pe]``."""
-    k_out.copy_(_full_key(k_nope, k_pe))
-
-
-def decode_q_concat_kv_cache_insert(
-    ql_nope, q_pe, kv_c, k_pe, mqa_q, kv_cache, slot_mapping, block_size, pos, cos
-):  # fmt: skip
-    """``fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (bf16, no RoPE):
-    ``mqa_q = [ql_nope | q_pe]``; the latent into the paged cache."""
-    assert pos is None and cos is None, "RoPE is not stood in for"
-    assert block_size == kv_cache.shape[1]
-    mqa_q.copy_(torch.cat([ql_nope, q_pe], dim=-1))
-    _insert(kv_c, k_pe, kv_cache, slot_mapping)
-
-
-FUSED_OPS = {
-    "fused_kimi_k3_mla_key_concat_kv_cache_insert": key_concat_kv_cache_insert,
-    "fused_kimi_k3_mla_kv_concat": kv_concat,
-    "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": decode_q_concat_kv_cache_insert,
-}
-
-
-@contextmanager
-def fused_op_stand_ins() -> Iterator[None]:
-    """The ``torch.ops._C`` ops a CPU build lacks, behind the real wrappers."""
-    namespace = torch.ops._C
-    for name, fn in FUSED_OPS.items():
-        setattr(namespace, name, fn)
-    try:
-        yield
-    finally:
-        for name in FUSED_OPS:
-            with contextlib.suppress(AttributeError):
-                delattr(namespace, name)
+FUSED_OPS = KIMI_K3_FUSED_OPS
+fused_op_stand_ins = kimi_k3_fused_op_stand_ins
 
 
 # The layer ------------------------------------------------------------------------

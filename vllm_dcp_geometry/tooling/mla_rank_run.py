@@ -24,6 +24,12 @@ from typing import Any
 # The float64 reference -----------------------------------------------------------
 
 
+REFERENCE_HEAD_CHUNK = 8
+"""Query heads the float64 reference up-projects at a time: its peak memory
+is that many heads' K and V of the longest request, whatever the model's
+head count."""
+
+
 def mla_reference(
     kv_c: Sequence[Any],
     k_pe: Sequence[Any],
@@ -34,32 +40,47 @@ def mla_reference(
     nope_dim: int,
     v_head_dim: int,
     scale: float,
+    causal: bool = True,
 ) -> dict[str, Any]:
     """Float64 single-device MLA over ``requests`` (``(context, new)``): per
     new token the output [H*V], the LSE over everything it sees [H], and the
     LSE over its request's context [H]. ``kv_c``/``k_pe``: per request, every
-    position's latent and rope key; ``q``: [tokens, H, nope + rope]."""
+    position's latent and rope key; ``q``: [tokens, H, nope + rope]. A new
+    token sees its context and the new tokens up to itself, or with
+    ``causal=False`` all of its request's new tokens. Heads are computed
+    ``REFERENCE_HEAD_CHUNK`` at a time (each head's attention is its own)."""
     import torch
 
     heads = q.shape[1]
-    outs, lses, context_lses, t = [], [], [], 0
-    for i, (context, new) in enumerate(requests):
-        kv = kv_c[i] @ kv_b_weight.T
-        kv = kv.view(-1, heads, nope_dim + v_head_dim)
-        k_nope, v = kv.split([nope_dim, v_head_dim], dim=-1)
-        rope = k_pe[i][:, None, :].expand(-1, heads, -1)
-        k = torch.cat([k_nope, rope], dim=-1)
-        for j in range(new):
-            seen = context + j + 1
-            scores = torch.einsum("hd,shd->hs", q[t], k[:seen]) * scale
-            outs.append(torch.einsum("hs,shv->hv", scores.softmax(-1), v[:seen]))
-            lses.append(scores.logsumexp(-1))
-            context_lses.append(scores[:, :context].logsumexp(-1))
-            t += 1
+    rows = nope_dim + v_head_dim
+    weight = kv_b_weight.view(heads, rows, -1)
+    outs, lses, context_lses = [], [], []
+    for first in range(0, heads, REFERENCE_HEAD_CHUNK):
+        chunk = slice(first, min(first + REFERENCE_HEAD_CHUNK, heads))
+        w = weight[chunk].reshape(-1, weight.shape[-1])
+        n = w.shape[0] // rows
+        chunk_outs, chunk_lses, chunk_context_lses, t = [], [], [], 0
+        for i, (context, new) in enumerate(requests):
+            kv = (kv_c[i] @ w.T).view(-1, n, rows)
+            k_nope, v = kv.split([nope_dim, v_head_dim], dim=-1)
+            rope = k_pe[i][:, None, :].expand(-1, n, -1)
+            k = torch.cat([k_nope, rope], dim=-1)
+            for j in range(new):
+                seen = context + (j + 1 if causal else new)
+                scores = torch.einsum("hd,shd->hs", q[t, chunk], k[:seen]) * scale
+                chunk_outs.append(
+                    torch.einsum("hs,shv->hv", scores.softmax(-1), v[:seen])
+                )
+                chunk_lses.append(scores.logsumexp(-1))
+                chunk_context_lses.append(scores[:, :context].logsumexp(-1))
+                t += 1
+        outs.append(torch.stack(chunk_outs))
+        lses.append(torch.stack(chunk_lses))
+        context_lses.append(torch.stack(chunk_context_lses))
     return {
-        "out": torch.stack(outs).flatten(1),
-        "lse": torch.stack(lses),
-        "context_lse": torch.stack(context_lses),
+        "out": torch.cat(outs, dim=1).flatten(1),
+        "lse": torch.cat(lses, dim=1),
+        "context_lse": torch.cat(context_lses, dim=1),
     }
 
 

@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="run smaller shapes: divide every group's query heads per rank "
-        "by N, rounded up (default 1: the groups' own shapes); kv_lora_rank, "
+        "by N, rounded up but not below 2 (default 1: the groups' own "
+        "shapes); kv_lora_rank, "
         "rope dim, dtype, block size, K and interleave stay (vLLM's MLA "
         "admits latent rows of 320, 512 or 576 only)",
     )

@@ -12,9 +12,10 @@ topology gives no ``query_heads`` or ``kv_lora_rank`` is not run (no shape
 is made up for it), nor one whose latent row L + R vLLM's MLA metadata does
 not admit (``MLACommonBackend.supports_head_size``: 320, 512 or 576). Only
 where the operator asks (``--scale N``) are the query heads per rank divided
-by N (rounded up): they are what a worker's memory and time grow with; L and
-R stay, since vLLM admits no smaller row than 320, and so do the dtype,
-block size, K and interleave. The nope and value head dims are not in a topology: they
+by N (rounded up, never below two: one head per rank takes another decode
+kernel): they are what a worker's memory and time grow with; L and R stay,
+since vLLM admits no smaller row than 320, and so do the dtype, block size,
+K and interleave. The nope and value head dims are not in a topology: they
 size only ``kv_b_proj``'s up-projection (absorbed into the latent query on
 decode), never the cache or a collective, and are ``NOPE_DIM`` here.
 Contexts are a few rounds over the group's K shards (a few times B * K
@@ -34,6 +35,7 @@ from vllm_dcp_geometry.contract.collectives import (
     collective_world_size,
     mla_decode_step_bytes,
 )
+from vllm_dcp_geometry.contract.layer_classes import GENERIC_LAYERS, KIMI_K3_MLA
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology
 
 BACKEND = "TRITON_MLA"
@@ -97,12 +99,25 @@ class Shape:
         return asdict(self)
 
 
-def decode_requests(block_size: int, shard_count: int) -> list[tuple[int, int]]:
-    """One decode step: ``(context, 1)`` over a long context (two rounds over
-    the K shards and a partial block), one of a single round and one so
-    short that some shards hold nothing."""
+NON_CAUSAL_DECODE_TOKENS = 4
+"""New tokens per request in a non-causal multi-token decode step (a DSpark
+draft's query block: every one of them attends every position of its
+request, the block's own included); a uniform block, as vLLM's builder
+requires."""
+
+
+def decode_requests(
+    block_size: int, shard_count: int, new_tokens: int = 1
+) -> list[tuple[int, int]]:
+    """One decode step: ``(context, new_tokens)`` over a long context (two
+    rounds over the K shards and a partial block), one of a single round and
+    one so short that some shards hold nothing."""
     round_ = block_size * shard_count
-    return [(2 * round_ + block_size // 2 + 3, 1), (round_ + 1, 1), (3, 1)]
+    return [
+        (2 * round_ + block_size // 2 + 3, new_tokens),
+        (round_ + 1, new_tokens),
+        (3, new_tokens),
+    ]
 
 
 def prefill_requests(block_size: int, shard_count: int) -> list[tuple[int, int]]:
@@ -113,15 +128,24 @@ def prefill_requests(block_size: int, shard_count: int) -> list[tuple[int, int]]
     return [(round_ + 5, 4), (2 * round_, 3), (0, 5)]
 
 
-def group_model_len(block_size: int, shard_count: int) -> int:
+def phase_requests(
+    block_size: int, shard_count: int, non_causal: bool = False
+) -> dict[str, list[tuple[int, int]]]:
+    """The batches a group runs, by phase: a decode step (a non-causal
+    multi-token one for a group that decodes so) and a chunked prefill."""
+    new = NON_CAUSAL_DECODE_TOKENS if non_causal else 1
+    return {
+        "decode": decode_requests(block_size, shard_count, new),
+        "prefill": prefill_requests(block_size, shard_count),
+    }
+
+
+def group_model_len(block_size: int, shard_count: int, non_causal: bool = False) -> int:
     """``max_model_len`` of a group's run: its longest request, rounded up to
     a multiple of 64."""
     longest = max(
         c + n
-        for requests in (
-            decode_requests(block_size, shard_count),
-            prefill_requests(block_size, shard_count),
-        )
+        for requests in phase_requests(block_size, shard_count, non_causal).values()
         for c, n in requests
     )
     return cdiv(longest, 64) * 64
@@ -135,6 +159,37 @@ def topology_shape(topology: Topology, group: CacheGroup) -> dict[str, Any]:
         "rope_dim": group.rope_dim,
         "dtype": str(group.spec_fields.get("dtype")),
     }
+
+
+def scaled_heads(heads_per_rank: int, scale: int) -> int:
+    """Query heads per rank divided by ``scale``, rounded up, and never
+    scaled below two: one head per rank takes another decode kernel
+    (``single_head_refused``), so scaling keeps the group's kernel."""
+    return max(cdiv(heads_per_rank, scale), min(heads_per_rank, 2))
+
+
+INTERPRETED_DTYPES = ("bfloat16",)
+"""Dtypes the Triton interpreter holds as raw bits (it widens them only in
+``tl.dot``, where ``cpu_stand_ins`` makes it read their values)."""
+
+
+def single_head_refused(
+    shape: Shape, world: int, *, gpu: bool, backend: str = "TRITON_MLA"
+) -> str | None:
+    """Why a local group (collective world 1) with one query head per rank
+    cannot run its decode here (None: it can): TRITON_MLA decodes one head
+    per KV head with its non-grouped kernel, whose bfloat16 arithmetic the
+    Triton interpreter cannot run (no bfloat16 constants; sums of raw
+    bits). On a GPU it runs."""
+    if gpu or world != 1 or shape.heads_per_rank != 1:
+        return None
+    if shape.dtype not in INTERPRETED_DTYPES:
+        return None
+    return (
+        f"not run on this machine: one {shape.dtype} query head per rank takes "
+        f"{backend}'s non-grouped decode kernel, whose {shape.dtype} arithmetic "
+        "the Triton interpreter cannot run (a GPU runs it)"
+    )
 
 
 def group_shape(topology: Topology, group: CacheGroup, scale: int) -> Shape | str:
@@ -157,12 +212,13 @@ def group_shape(topology: Topology, group: CacheGroup, scale: int) -> Shape | st
     if given["dtype"] not in DTYPE_BYTES:
         return f"not run: dtype {given['dtype']} (ranks runs {', '.join(DTYPE_BYTES)})"
     k = group.shard_count(topology.decode_context_parallel_size)
+    non_causal = bool(group.spec_fields.get("non_causal_multi_token_decode", False))
     return Shape(
-        heads_per_rank=cdiv(given["heads_per_rank"], scale),
+        heads_per_rank=scaled_heads(given["heads_per_rank"], scale),
         kv_lora_rank=given["kv_lora_rank"],
         rope_dim=given["rope_dim"],
         dtype=given["dtype"],
-        max_model_len=group_model_len(group.block_size, k),
+        max_model_len=group_model_len(group.block_size, k, non_causal),
     )
 
 
@@ -172,22 +228,98 @@ CUDA_BACKENDS = {
 }
 """The backends a non-MLA attention group runs on, which need CUDA."""
 
-GENERIC_MLA_FIELDS = {"num_kv_heads", "head_size", "dtype", "dcp_kv_shard_count"}
-"""Spec fields of an MLA group that the generic dense MLA path runs; any other
-(a sparse cache role, an fp8 cache dtype, non-causal decode) needs a layer or
-kernel this command does not build."""
+
+@dataclass(frozen=True)
+class LayerRunner:
+    """How ``ranks`` runs the groups of one layer class: ``worker_module``'s
+    ``run_group`` builds that class on each worker and runs it, and
+    ``spec_values`` are the values it runs of each spec field whose value
+    changes the attention (beyond the dense ones every runner runs)."""
+
+    name: str
+    worker_module: str
+    spec_values: dict[str, tuple[Any, ...]]
 
 
-LAYER_CLASS_REASONS = {
-    "vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention": "its fused CUDA "
-    "ops fused_kimi_k3_* have no stand-in here",
+MLA_ATTENTION_CLASS = GENERIC_LAYERS[True]
+
+DENSE_SPEC_VALUES: dict[str, tuple[Any, ...]] = {
+    "cache_role": ("sparse",),
+    "cache_dtype_str": (None, "auto"),
+    "kv_quant_mode": (None,),
+    "state_content_bytes": (None,),
+    "non_causal_multi_token_decode": (False,),
 }
-"""Why a layer class a topology names is not built by ``ranks``."""
+"""The values of the spec fields that change how a cache is read which the
+dense latent path runs (an ``MLAAttentionSpec``'s ``cache_role`` defaults to
+``"sparse"``, the role of every latent cache that is not an indexer's)."""
+
+LAYOUT_ONLY_SPEC_FIELDS = frozenset(
+    {
+        "num_kv_heads",
+        "head_size",
+        "dtype",
+        "dcp_sharded",
+        "dcp_kv_shard_count",
+        "max_tp_shards",
+        "block_stride_multiple_of",
+    }
+)
+"""Spec fields every runner takes as they are: the shapes and K it runs at,
+and how pages are laid out in memory (not how a position is attended)."""
+
+RUNNERS: dict[str | None, LayerRunner] = {
+    None: LayerRunner(
+        "mla", "vllm_dcp_geometry.tooling.cli.ranks.group", DENSE_SPEC_VALUES
+    ),
+    KIMI_K3_MLA: LayerRunner(
+        "kimi_k3",
+        "vllm_dcp_geometry.tooling.cli.ranks.kimi_k3",
+        {**DENSE_SPEC_VALUES, "non_causal_multi_token_decode": (False, True)},
+    ),
+}
+"""The layer classes ``ranks`` builds (None: a topology naming no class, vLLM's
+generic ``MLAAttention``), by the class a group's layers are."""
+
+RUNNERS_BY_NAME = {runner.name: runner for runner in RUNNERS.values()}
 
 
-def why_not_run(group: CacheGroup, *, gpu: bool) -> str | None:
+def layer_runner(group: CacheGroup) -> LayerRunner | None:
+    """The runner of the group's layer class (None: ``ranks`` builds none)."""
+    name = group.layer_class
+    return RUNNERS.get(None if name == MLA_ATTENTION_CLASS else name)
+
+
+def _spec_refusal(group: CacheGroup, runner: LayerRunner) -> str | None:
+    """Why the runner cannot run the group's spec (None: it can): a field
+    whose value it does not run, or one it does not know."""
+    for field_name, value in sorted(group.spec_fields.items()):
+        if field_name in LAYOUT_ONLY_SPEC_FIELDS:
+            continue
+        allowed = runner.spec_values.get(field_name)
+        if allowed is None:
+            return (
+                f"not run: spec field {field_name} needs a kernel or layer not "
+                "built here"
+            )
+        if value not in allowed:
+            return (
+                f"not run: {field_name} = {value!r} needs a kernel or layer not "
+                "built here"
+            )
+    return None
+
+
+NON_CAUSAL_DCP_REASON = (
+    "not run on this machine: a non-causal multi-token draft under DCP needs a "
+    "backend with DSpark DCP support (FLASHINFER_MLA, CUDA); TRITON_MLA's builder "
+    "refuses it"
+)
+
+
+def why_not_run(group: CacheGroup, *, gpu: bool, dcp: int) -> str | None:
     """Why ``group`` is not run by ``ranks`` here for what it is (None: its
-    kind, layer and spec run; ``group_shape`` checks its shapes)."""
+    kind, layer class and spec run; ``group_shape`` checks its shapes)."""
     if not group.is_attention:
         return "no attention (recurrent state, not token-sharded)"
     if group.kind != "mla":
@@ -195,15 +327,19 @@ def why_not_run(group: CacheGroup, *, gpu: bool) -> str | None:
         if not gpu:
             return f"not run on this machine: {backends} backends need CUDA"
         return f"not run: {backends} groups are not built by this command yet"
-    if group.layer_class is not None:
-        name = group.layer_class.rsplit(".", 1)[-1]
-        why = LAYER_CLASS_REASONS.get(
-            group.layer_class, "only vLLM's generic MLAAttention layer is built here"
+    runner = layer_runner(group)
+    if runner is None:
+        name = (group.layer_class or "").rsplit(".", 1)[-1]
+        taught = ", ".join(
+            (cls or MLA_ATTENTION_CLASS).rsplit(".", 1)[-1] for cls in RUNNERS
         )
-        return f"not run: layer class {name} ({why})"
-    extra = sorted(set(group.spec_fields) - GENERIC_MLA_FIELDS - {"dcp_sharded"})
-    if extra:
-        return f"not run: {', '.join(extra)} needs a kernel or layer not built here"
+        return f"not run: layer class {name} (ranks builds {taught})"
+    refused = _spec_refusal(group, runner)
+    if refused is not None:
+        return refused
+    non_causal = group.spec_fields.get("non_causal_multi_token_decode", False)
+    if non_causal and group.shard_count(dcp) > 1 and not gpu:
+        return NON_CAUSAL_DCP_REASON
     return None
 
 
@@ -238,13 +374,17 @@ def plan_groups(
     planned = []
     for index, group in enumerate(topology.groups):
         k = group.shard_count(dcp) if group.is_attention else None
-        reason = why_not_run(group, gpu=gpu)
+        reason = why_not_run(group, gpu=gpu, dcp=dcp)
+        runner = layer_runner(group) if group.is_attention else None
         shape = None
         if reason is None:
             found = group_shape(topology, group, scale)
             shape, reason = (None, found) if isinstance(found, str) else (found, None)
+        world = None if k is None else planned_world_size(k, dcp, partial_collectives)
         if shape is not None:
-            reason = head_size_refused(shape.kv_lora_rank + shape.rope_dim)
+            reason = head_size_refused(
+                shape.kv_lora_rank + shape.rope_dim
+            ) or single_head_refused(shape, world or 1, gpu=gpu)
             shape = None if reason else shape
         planned.append(
             {
@@ -252,15 +392,17 @@ def plan_groups(
                 "name": group.name,
                 "kind": group.kind + (" (draft)" if group.draft else ""),
                 "layer_class": group.layer_class,
+                "runner": None if runner is None else runner.name,
+                "non_causal": bool(
+                    group.spec_fields.get("non_causal_multi_token_decode", False)
+                ),
                 "block_size": group.block_size,
                 "shard_count": k,
                 "dcp_kv_shard_count": group.dcp_kv_shard_count,
                 "dcp_sharded": group.dcp_sharded,
                 "draft": group.draft,
                 "interleave": topology.interleave_size,
-                "collective_world_size": None
-                if k is None
-                else planned_world_size(k, dcp, partial_collectives),
+                "collective_world_size": world,
                 "topology_shape": topology_shape(topology, group)
                 if group.kind == "mla"
                 else None,

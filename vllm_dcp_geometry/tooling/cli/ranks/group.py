@@ -26,11 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
-from vllm_dcp_geometry.tooling.cli.ranks.cases import (
-    Shape,
-    decode_requests,
-    prefill_requests,
-)
+from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape, phase_requests
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import Meters
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     LAYER,
@@ -42,6 +38,11 @@ from vllm_dcp_geometry.tooling.mla_rank_run import magnitude, max_error, mla_ref
 
 Requests = list[tuple[int, int]]
 """``(context, new)`` tokens per request."""
+
+Attend = Callable[..., None]
+"""How a group's layer attends one batch on a rank:
+``attend(set_up, q, kv_c, k_pe, cache, metadata, slots, output)``, writing
+``output`` (``forward_impl_attend`` for vLLM's ``MLAAttention``)."""
 
 TIMED_STEPS = 3
 """Decode steps timed per group after the counted one; the median is
@@ -77,6 +78,8 @@ class PlannedGroup:
     dcp_sharded: bool
     draft: bool
     dcp_kv_shard_count: int | None
+    non_causal: bool
+    """The layer decodes a multi-token block non-causally (a DSpark draft)."""
     shape: Shape
 
     @classmethod
@@ -105,6 +108,8 @@ class Inputs:
     k_pe: list[Any]
     q: Any
     rows: list[Any]
+    causal: bool = True
+    """False: every new token of a request attends all of its positions."""
 
 
 def make_inputs(
@@ -114,6 +119,7 @@ def make_inputs(
     num_blocks: int,
     width: int,
     seed: int,
+    causal: bool = True,
 ) -> Inputs:
     import torch
 
@@ -130,7 +136,7 @@ def make_inputs(
     q = rand(tokens, weight_heads, shape.nope_dim + shape.rope_dim)
     blocks = torch.randperm(num_blocks, generator=gen)
     rows = [blocks[i * width : (i + 1) * width] for i in range(len(requests))]
-    return Inputs(list(requests), kv_c, k_pe, q, rows)
+    return Inputs(list(requests), kv_c, k_pe, q, rows, causal)
 
 
 def group_spec(group: PlannedGroup, shape: Shape, patched: bool) -> Any:
@@ -220,6 +226,7 @@ def common_metadata(inputs: Inputs, interleave: int, run: RankRun, slots: Any) -
         max_seq_len=int(seq_cpu.max()),
         block_table_tensor=torch.stack(inputs.rows).to(device, torch.int32),
         slot_mapping=slots.to(device),
+        causal=inputs.causal,
         dcp_local_seq_lens=get_dcp_local_seq_lens(seq, run.world, run.rank, interleave),
         seq_lens_cpu_upper_bound=seq_cpu,
     )
@@ -233,17 +240,56 @@ class GroupSetUp:
     group: PlannedGroup
     layout: ShardLayout
     weight: Any
+    config: Any
+    """The run's ``VllmConfig`` (the group's block size and interleave)."""
     layer: Any
     builder: Any
+    attend: Attend
     cases: dict[str, Requests]
     width: int
     """Block-table entries per request."""
     num_blocks: int
 
 
-def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
-    """The rank's layer and builder for ``group``, over a config with the
-    group's block size and interleave."""
+def forward_impl_attend(
+    set_up: GroupSetUp,
+    q: Any,
+    kv_c: Any,
+    k_pe: Any,
+    cache: Any,
+    metadata: Any,
+    slots: Any,
+    output: Any,
+) -> None:
+    """``MLAAttention.forward_impl``: the new tokens' latents are written by
+    the caller's cache (the runner's KV write runs before the layer)."""
+    set_up.layer.forward_impl(q, kv_c, k_pe, cache, metadata, output=output)
+
+
+LayerBuilder = Callable[[Any, Any, int, Shape, str, PlannedGroup], tuple[Any, Any]]
+"""``build(config, weight, rank, shape, device, group) -> (layer, backend)``:
+the rank's layer of the group's class, registered in the config's forward
+context under ``LAYER``, with its TP slice of the float64 ``kv_b_proj``
+weight, processed."""
+
+
+def build_mla_attention(
+    config: Any, weight: Any, rank: int, shape: Shape, device: str, group: PlannedGroup
+) -> tuple[Any, Any]:
+    """vLLM's generic ``MLAAttention`` (``vllm_setup.build_layer``)."""
+    return build_layer(config, weight, rank, shape, device)
+
+
+def set_up_group(
+    group: PlannedGroup,
+    run: RankRun,
+    build: LayerBuilder = build_mla_attention,
+    attend: Attend = forward_impl_attend,
+) -> GroupSetUp:
+    """The rank's layer (made by ``build``) and builder for ``group``, over a
+    config with the group's block size and interleave; ``attend`` runs the
+    layer on a batch. The layer is in the forward context before the builder
+    is made, as in a worker, so the plugin's builder binds it."""
     import torch
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -261,10 +307,7 @@ def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
     weight = (weight * shape.kv_lora_rank**-0.5).to(getattr(torch, shape.dtype))
     weight = weight.double()
     width = cdiv(shape.max_model_len, block * k)
-    cases = {
-        "decode": decode_requests(block, k),
-        "prefill": prefill_requests(block, k),
-    }
+    cases = phase_requests(block, k, group.non_causal)
     config = vllm_config(
         model_dir(world, shape),
         world,
@@ -274,7 +317,7 @@ def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
         device,
         run.partial_collectives,
     )
-    layer, backend = build_layer(config, weight, rank, shape, device)
+    layer, backend = build(config, weight, rank, shape, device, group)
     attn_group = AttentionGroup(
         backend, [LAYER], group_spec(group, shape, run.patched), 0
     )
@@ -283,8 +326,10 @@ def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
         group=group,
         layout=ShardLayout(block, k, group.interleave, shard),
         weight=weight,
+        config=config,
         layer=layer,
         builder=attn_group.get_metadata_builder(),
+        attend=attend,
         cases=cases,
         width=width,
         num_blocks=width * max(len(r) for r in cases.values()) + 1,
@@ -294,8 +339,9 @@ def set_up_group(group: PlannedGroup, run: RankRun) -> GroupSetUp:
 def run_forward(
     inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
 ) -> tuple[Any, dict[str, Any]]:
-    """One ``MLAAttention.forward_impl`` of this rank over ``inputs`` and
-    ``cache``: its output [tokens, h * V] and the LSEs it handed on."""
+    """One forward of this rank's layer over ``inputs`` and ``cache``
+    (``set_up.attend``): its output [tokens, h * V] and the LSEs it handed
+    on."""
     import torch
 
     shape, device, rank = set_up.group.shape, run.device, run.rank
@@ -317,13 +363,15 @@ def run_forward(
         inputs.q.shape[0], h * shape.v_head_dim, dtype=dtype, device=device
     )
     with run.meters.lse.recording() as seen:
-        set_up.layer.forward_impl(
+        set_up.attend(
+            set_up,
             on_device(inputs.q[:, rank * h : (rank + 1) * h]),
             on_device(kv_c),
             on_device(k_pe)[:, None, :],
             cache,
             metadata,
-            output=output,
+            slots.to(device),
+            output,
         )
     return output, seen
 
@@ -396,6 +444,7 @@ def run_phase(
         set_up.num_blocks,
         set_up.width,
         run.seed + 31 * group.index + len(phase),
+        causal=not (phase == "decode" and group.non_causal),
     )
     cache = write_cache(inputs, set_up.layout, shape, set_up.num_blocks, run.device)
     traffic = run.meters.traffic
@@ -410,6 +459,7 @@ def run_phase(
         nope_dim=shape.nope_dim,
         v_head_dim=shape.v_head_dim,
         scale=shape.scale,
+        causal=inputs.causal,
     )
     own = shape.heads_per_rank * shape.v_head_dim
     want = expected["out"][:, run.rank * own : (run.rank + 1) * own]
@@ -436,10 +486,19 @@ def run_phase(
     return report
 
 
-def run_group(group: PlannedGroup, run: RankRun) -> dict[str, Any]:
-    """Build and run one MLA group on this rank; its errors and traffic."""
-    set_up = set_up_group(group, run)
-    report: dict[str, Any] = {"name": group.name}
+def run_set_up(set_up: GroupSetUp, run: RankRun) -> dict[str, Any]:
+    """Run every phase of a group built on this rank; its errors and
+    traffic."""
+    layer = type(set_up.layer)
+    report: dict[str, Any] = {
+        "name": set_up.group.name,
+        "layer_class_run": f"{layer.__module__}.{layer.__qualname__}",
+    }
     for phase, requests in set_up.cases.items():
         report.update(run_phase(phase, requests, set_up, run))
     return report
+
+
+def run_group(group: PlannedGroup, run: RankRun) -> dict[str, Any]:
+    """Build and run one group of vLLM's ``MLAAttention`` on this rank."""
+    return run_set_up(set_up_group(group, run), run)

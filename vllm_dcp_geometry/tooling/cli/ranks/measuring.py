@@ -33,6 +33,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from vllm_dcp_geometry.contract.collectives import collective_bytes
@@ -65,16 +66,18 @@ PYNCCL_OPS = {
 torch's process groups) and the collective each models, None where the
 ring model has no formula: such a call is counted as unmodeled."""
 
+MERGE_PARAMS = (
+    "output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=, "
+    "prefill_tokens_with_context=, output_scale="
+)
+"""The parameters of vLLM's ``merge_attn_states`` the context-LSE meter reads
+(``prefix_lse`` by keyword)."""
+
 METERED = (
     UpstreamSymbol(
         DCP_OPS, "correct_attn_out", "out, lses, cp_rank, ctx, is_lse_base_on_e="
     ),
-    UpstreamSymbol(
-        MLA_ATTENTION,
-        "merge_attn_states",
-        "output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=, "
-        "prefill_tokens_with_context=, output_scale=",
-    ),
+    UpstreamSymbol(MLA_ATTENTION, "merge_attn_states", MERGE_PARAMS),
     UpstreamSymbol(
         TRITON_MLA,
         "TritonMLAImpl.forward_mqa",
@@ -431,6 +434,15 @@ def _record_local_lse(
         return out, lse
 
     return forward_mqa
+
+
+def record_context_lse_in(module: ModuleType, lse: LseRecorder) -> None:
+    """Also record the prefix LSE ``module`` hands its own imported
+    ``merge_attn_states`` (a layer class that merges its prefill context
+    itself, as Kimi-K3's does), once per process; the name is pinned to the
+    same parameters as ``mla_attention``'s."""
+    verify_symbol(UpstreamSymbol(module.__name__, "merge_attn_states", MERGE_PARAMS))
+    wrap(module, "merge_attn_states", _record_context_lse, lse)
 
 
 # Installing them -----------------------------------------------------------------

@@ -36,7 +36,11 @@ def _shape(shape: dict[str, Any] | None) -> str:
 def _result(g: dict[str, Any]) -> str:
     if g["status"] != "run":
         return str(g["reason"])
+    if g.get("crashed"):
+        return "CRASHED: " + "; ".join(g["crashed"])
     status = "ok" if g["numerics_ok"] else "WRONG"
+    if not g["layer_class_matches"]:
+        status += f", ran {', '.join(g['layer_class_run'])}: FAILED"
     if not g["traffic_matches_formula"]:
         status += ", bytes differ from the formula: FAILED"
     return status
@@ -92,7 +96,8 @@ def _shapes_line(report: dict[str, Any]) -> str:
         )
     return (
         f"  shapes SCALED by --scale {report['scale']}: each group's query heads "
-        "per rank h divided by it (rounded up; the table shows what ran); L, R, "
+        "per rank h divided by it (rounded up, at least 2; the table shows "
+        "what ran); L, R, "
         f"dtype, block size, K and interleave the topology's; contexts up to "
         f"{longest:,} tokens"
     )
@@ -104,7 +109,9 @@ def _traffic_lines(report: dict[str, Any]) -> list[str]:
         f"{g['attention_world_size']}) differ from the formula's "
         f"{g['formula_bytes_per_rank_per_step']:,} (W={g['collective_world_size']})"
         for g in report["groups"]
-        if g["status"] == "run" and not g["traffic_matches_formula"]
+        if g["status"] == "run"
+        and not g.get("crashed")
+        and not g["traffic_matches_formula"]
     ]
 
 
@@ -115,6 +122,7 @@ def _nccl_line(report: dict[str, Any]) -> list[str]:
         f"{g['name']} {g['nccl_formula_bytes_per_rank_per_step']:,}"
         for g in report["groups"]
         if g["status"] == "run"
+        and not g.get("crashed")
         and g["nccl_formula_bytes_per_rank_per_step"]
         != g["formula_bytes_per_rank_per_step"]
     ]

@@ -26,6 +26,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.cases import (
     group_shape,
     prefill_requests,
 )
+from vllm_dcp_geometry.tooling.mla_rank_run import REFERENCE_HEAD_CHUNK
 from vllm_dcp_geometry.tooling.topology import Topology
 
 WORKER_PEAK_RSS_BYTES = 1_197_676 * 1024
@@ -78,7 +79,7 @@ def group_bytes(shape: Shape, world: int, block_size: int, shard_count: int) -> 
     it in the dtype (twice: ``W_UK`` and ``W_UV``), the paged cache, vLLM's
     chunked-prefill workspace (up to twice its rows under DCP), the float64
     inputs of the larger phase and the reference's up-projected K and V of
-    the longest request."""
+    the longest request, ``REFERENCE_HEAD_CHUNK`` heads at a time."""
     e, h = shape.dtype_bytes, shape.heads_per_rank
     heads = world * h
     row = shape.kv_lora_rank + shape.rope_dim
@@ -97,7 +98,8 @@ def group_bytes(shape: Shape, world: int, block_size: int, shard_count: int) -> 
     query = heads * (shape.nope_dim + shape.rope_dim)
     inputs = 8 * max(sum((c + n) * row + n * query for c, n in p) for p in phases)
     longest = max(c + n for p in phases for c, n in p)
-    reference = longest * heads * (up + shape.nope_dim + shape.rope_dim) * 8
+    chunk = min(heads, REFERENCE_HEAD_CHUNK)
+    reference = longest * chunk * (up + shape.nope_dim + shape.rope_dim) * 8
     return TRANSIENT_COPIES * (weight + cache + workspace + inputs + reference)
 
 

@@ -22,9 +22,9 @@ from vllm_dcp_geometry.contract.collectives import (
     attention_work_ratio,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.cases import (
+    MLA_ATTENTION_CLASS,
     Shape,
-    decode_requests,
-    prefill_requests,
+    phase_requests,
 )
 
 STEP_TIME_CPU = (
@@ -118,14 +118,8 @@ def _errors(ranks: list[dict[str, Any]], g: dict[str, Any]) -> dict[str, Any]:
     """The worst errors over the ranks of a group, by phase, then overall,
     and whether each is within the dtype's tolerance of its magnitude."""
     shape = Shape(**g["shape"])
-    longest = max(
-        c + n
-        for requests in (
-            decode_requests(g["block_size"], g["shard_count"]),
-            prefill_requests(g["block_size"], g["shard_count"]),
-        )
-        for c, n in requests
-    )
+    phases = phase_requests(g["block_size"], g["shard_count"], g["non_causal"])
+    longest = max(c + n for requests in phases.values() for c, n in requests)
     dots = (shape.kv_lora_rank + shape.rope_dim, longest)
     worst: dict[str, Any] = {}
     within = True
@@ -188,6 +182,9 @@ def _measured(
     matches = (
         all(b == expected for b in decode) and attended == planned and not unmodeled
     )
+    # The class every rank ran must be the one the plan names.
+    planned_class = g["layer_class"] or MLA_ATTENTION_CLASS
+    ran_class = {r["layer_class_run"] for r in ranks}
     return {
         "attention_mode": attention_mode(g["shard_count"], dcp)
         if patched
@@ -214,7 +211,9 @@ def _measured(
         "attention_work_vs_sharded": attention_work_ratio(
             attended, g["shard_count"], dcp
         ),
-        "ok": errors["numerics_ok"] and matches,
+        "layer_class_run": sorted(ran_class),
+        "layer_class_matches": ran_class == {planned_class},
+        "ok": errors["numerics_ok"] and matches and ran_class == {planned_class},
     }
 
 
@@ -240,7 +239,13 @@ def merge(
                 next(r for r in result["groups"] if r["name"] == g["name"])
                 for result in results
             ]
-            row.update(_measured(g, ranks, dcp=dcp, patched=patched, backend=backend))
+            crashed = sorted({r["crashed"] for r in ranks if "crashed" in r})
+            if crashed:
+                row.update(crashed=crashed, ok=False)
+            else:
+                row.update(
+                    _measured(g, ranks, dcp=dcp, patched=patched, backend=backend)
+                )
         rows.append(row)
     ran = [r for r in rows if r["status"] == "run"]
     first = results[0] if results else {}
@@ -267,7 +272,8 @@ def merge(
             "dcp_group": first.get("dcp_group"),
             "plugin_loaded_by_vllm": [r["patched"] for r in results],
         },
-        "stand_ins": first.get("stand_ins", []),
+        "stand_ins": first.get("stand_ins", [])
+        + sorted({s for g in first.get("groups", []) for s in g.get("stand_ins", [])}),
         "partial_collectives": partial_collectives if patched else None,
         "replica_groups": first.get("replica_groups", []),
         "scale": scale,
@@ -277,7 +283,8 @@ def merge(
         + (
             ""
             if scale == 1
-            else f", query heads per rank divided by --scale {scale} (rounded up)"
+            else f", query heads per rank divided by --scale {scale} "
+            "(rounded up, at least 2)"
         ),
         "elapsed_s": round(elapsed, 3),
         "step_time": STEP_TIME_GPU if gpu else STEP_TIME_CPU,

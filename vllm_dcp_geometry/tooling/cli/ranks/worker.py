@@ -19,16 +19,19 @@ its own shapes (``group.run_group``) with vLLM's real collectives over the real 
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import sys
+import traceback
 from typing import Any
 
 from vllm_dcp_geometry.runtime.replica_groups import (
     destroy_replica_groups,
     make_replica_groups,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
-from vllm_dcp_geometry.tooling.cli.ranks.group import PlannedGroup, RankRun, run_group
+from vllm_dcp_geometry.tooling.cli.ranks.cases import RUNNERS_BY_NAME, Shape
+from vllm_dcp_geometry.tooling.cli.ranks.group import PlannedGroup, RankRun
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import (
     enable_flight_recorder,
     install_meters,
@@ -58,6 +61,29 @@ def _init_distributed(plan: dict[str, Any], config: Any) -> None:
             tensor_model_parallel_size=world,
             decode_context_model_parallel_size=world,
         )
+
+
+def _crash(exc: BaseException) -> str:
+    """What a group raised, and where in vLLM (the innermost vLLM frame, else
+    the innermost one)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    in_vllm = [f for f in frames if f"{os.sep}vllm{os.sep}" in f.filename]
+    where = (in_vllm or frames)[-1]
+    path = where.filename.rpartition(f"site-packages{os.sep}")[2]
+    return f"{type(exc).__name__}: {exc} (at {path}:{where.lineno} in {where.name})"
+
+
+def run_planned(entry: dict[str, Any], run: RankRun) -> dict[str, Any]:
+    """Run one planned group with the runner of its layer class (its worker
+    module's ``run_group``)."""
+    module = importlib.import_module(RUNNERS_BY_NAME[entry["runner"]].worker_module)
+    try:
+        return dict(module.run_group(PlannedGroup.from_plan(entry), run))
+    except Exception as exc:
+        # What the layer raised is the group's result (unpatched vLLM's
+        # replicated Kimi-K3 layer asserts, on every rank alike); a rank
+        # left waiting in a collective is stopped by the launcher's timeout.
+        return {"name": entry["name"], "crashed": _crash(exc)}
 
 
 def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +123,7 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
         partial_collectives=plan["partial_collectives"] if patched else None,
         meters=meters,
     )
-    groups = [run_group(PlannedGroup.from_plan(g), run) for g in plan["groups"]]
+    groups = [run_planned(g, run) for g in plan["groups"]]
     if patched:
         destroy_replica_groups()
     parallel_state.destroy_model_parallel()
