@@ -49,8 +49,14 @@ from vllm_dcp_geometry.tooling.cli.common.noise import (
     third_party_noise_hidden,
     vllm_notes_held_back,
 )
+from vllm_dcp_geometry.tooling.cli.common.status import EXIT_OK, CliError
+from vllm_dcp_geometry.tooling.cli.ranks.cases import RUNNERS
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_baseline, format_report
-from vllm_dcp_geometry.tooling.cli.ranks.run import run_ranks
+from vllm_dcp_geometry.tooling.cli.ranks.run import (
+    DEVICES,
+    run_ranks,
+    torchrun_environment,
+)
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
 from vllm_dcp_geometry.tooling.topology.limits import NON_NEGATIVE_INT32, IntRange
 
@@ -100,6 +106,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rope dim, dtype, block size, K and interleave stay (vLLM's MLA "
         "admits latent rows of 320, 512 or 576 only)",
     )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where the ranks run: cuda (one worker per GPU, NCCL, the "
+        "compiled backends), cpu (gloo, vLLM's Triton kernels interpreted) or "
+        "auto (cuda where D GPUs are visible); under torchrun each process is "
+        "one rank on its local GPU",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=("auto", *backend_choices()),
+        default="auto",
+        metavar="NAME",
+        help="the backend every group runs on (default auto: TRITON_MLA on a "
+        "CPU; on a GPU the group's SM90 backend, as plan reports it): "
+        + ", ".join(backend_choices()),
+    )
+    parser.add_argument(
+        "--float32",
+        action="store_true",
+        help="run every group in float32 instead of its own dtype (the check "
+        "against float64 is then float32's: within about 1e-5)",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also capture each group's decode step in a CUDA graph and "
+        "replay it, held to the same reference (GPU runs)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--seed",
@@ -107,6 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the random K/V, queries and weights",
     )
+
+
+def backend_choices() -> list[str]:
+    """Every backend some runner runs (``cases.RUNNERS``)."""
+    names = {name for runner in RUNNERS.values() for name in runner.backends}
+    return sorted(names)
 
 
 def import_mla_quietly(verbose: bool) -> None:
@@ -144,6 +186,17 @@ def command(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     import_mla_quietly(verbose)
     where = args.partial_collectives or topology.partial_collectives
+    if args.baseline and torchrun_environment() is not None:
+        raise CliError(
+            "ranks --baseline starts fresh unpatched workers, which torchrun "
+            "does not: run the baseline as its own torchrun with VLLM_PLUGINS=''"
+        )
+    device = {
+        "device": args.device,
+        "backend": args.attention_backend,
+        "cuda_graph": args.cuda_graph,
+        "dtype": "float32" if args.float32 else None,
+    }
     report = run_ranks(
         topology,
         patched=True,
@@ -152,12 +205,18 @@ def command(args: argparse.Namespace) -> int:
         verbose=verbose,
         scale=args.scale,
         partial_collectives=where,
+        **device,
     )
+    if report is None:
+        # A torchrun rank other than 0: rank 0 reports for every rank.
+        return EXIT_OK
     report.update(runs.versions())
+    report["dtype_override"] = device["dtype"]
     report["inputs"] = {
         **runs.source_inputs(args),
         "seed": args.seed,
         "scale": args.scale,
+        **device,
         "partial_collectives": where,
         "partial_collectives_from": "--partial-collectives"
         if args.partial_collectives
@@ -174,7 +233,9 @@ def command(args: argparse.Namespace) -> int:
             progress=progress,
             verbose=verbose,
             scale=args.scale,
+            **device,
         )
+        assert baseline is not None
         report["baseline"] = baseline
         report["patched_ok"] = report["ok"]
         report["ok"] = report["ok"] and baseline["ok"]

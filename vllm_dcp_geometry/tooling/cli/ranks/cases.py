@@ -39,10 +39,22 @@ from vllm_dcp_geometry.contract.layer_classes import GENERIC_LAYERS, KIMI_K3_MLA
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology
 
 BACKEND = "TRITON_MLA"
-"""The MLA backend every group runs on (its impl and builder). Its decode
-(``TritonMLAImpl.forward_mqa``) hands on its LSEs in the query's dtype, not
-float32, so the combine's LSE all-gather moves ``Shape.dtype_bytes`` per
-LSE (``Shape.lse_bytes``)."""
+"""The MLA backend a group runs on without a GPU (its impl and builder; vLLM's
+Triton kernels under the interpreter)."""
+
+CUDA_MLA_BACKENDS = ("FLASH_ATTN_MLA", "FLASHINFER_MLA", "FLASHMLA", "CUTLASS_MLA")
+"""The compiled dense MLA backends ``ranks --device cuda`` runs (their impls
+and builders, as a ``vllm serve`` worker on the GPU makes them)."""
+
+RUN_BACKENDS = (BACKEND, *CUDA_MLA_BACKENDS)
+"""What ``--attention-backend`` may name for the dense MLA runners (``auto``:
+the runner's CPU backend on a CPU, the group's SM90 choice on a GPU, as
+``plan`` reports it)."""
+
+LSE_IN_QUERY_DTYPE = frozenset({BACKEND})
+"""Backends whose decode hands its LSEs on in the query's dtype
+(``TritonMLAImpl.forward_mqa``); the others' are float32. The combine's LSE
+all-gather moves that many bytes per LSE (``Shape.lse_bytes``)."""
 
 NOPE_DIM = 16
 """The nope and value head dims (not in a topology; see the module doc)."""
@@ -64,6 +76,8 @@ class Shape:
     nope_dim: int = NOPE_DIM
     v_head_dim: int = NOPE_DIM
     max_num_seqs: int = 8
+    backend: str = BACKEND
+    """The attention backend the group runs on."""
 
     @property
     def scale(self) -> float:
@@ -75,8 +89,8 @@ class Shape:
 
     @property
     def lse_bytes(self) -> int:
-        """Bytes of one LSE as ``BACKEND`` hands it on: the query's dtype."""
-        return self.dtype_bytes
+        """Bytes of one LSE as the group's backend hands it on."""
+        return self.dtype_bytes if self.backend in LSE_IN_QUERY_DTYPE else 4
 
     def decode_step_bytes(
         self, world_size: int, tokens: int, backend: str = NCCL
@@ -181,7 +195,7 @@ def single_head_refused(
     per KV head with its non-grouped kernel, whose bfloat16 arithmetic the
     Triton interpreter cannot run (no bfloat16 constants; sums of raw
     bits). On a GPU it runs."""
-    if gpu or world != 1 or shape.heads_per_rank != 1:
+    if gpu or backend != BACKEND or world != 1 or shape.heads_per_rank != 1:
         return None
     if shape.dtype not in INTERPRETED_DTYPES:
         return None
@@ -192,7 +206,13 @@ def single_head_refused(
     )
 
 
-def group_shape(topology: Topology, group: CacheGroup, scale: int) -> Shape | str:
+def group_shape(
+    topology: Topology,
+    group: CacheGroup,
+    scale: int,
+    backend: str = BACKEND,
+    dtype: str | None = None,
+) -> Shape | str:
     """The shapes an MLA group runs at (its own, its heads per rank divided
     by ``scale``), or why it cannot run: a shape the topology does not give."""
     given = topology_shape(topology, group)
@@ -217,8 +237,9 @@ def group_shape(topology: Topology, group: CacheGroup, scale: int) -> Shape | st
         heads_per_rank=scaled_heads(given["heads_per_rank"], scale),
         kv_lora_rank=given["kv_lora_rank"],
         rope_dim=given["rope_dim"],
-        dtype=given["dtype"],
+        dtype=dtype or given["dtype"],
         max_model_len=group_model_len(group.block_size, k, non_causal),
+        backend=backend,
     )
 
 
@@ -239,6 +260,14 @@ class LayerRunner:
     name: str
     worker_module: str
     spec_values: dict[str, tuple[Any, ...]]
+    cpu_backend: str = BACKEND
+    """The backend the runner runs without a GPU (Triton kernels, interpreted)."""
+    cuda_backends: tuple[str, ...] = CUDA_MLA_BACKENDS
+    """The compiled backends it runs on a GPU."""
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return (self.cpu_backend, *self.cuda_backends)
 
 
 MLA_ATTENTION_CLASS = GENERIC_LAYERS[True]
@@ -311,8 +340,8 @@ def _spec_refusal(group: CacheGroup, runner: LayerRunner) -> str | None:
 
 
 NON_CAUSAL_DCP_REASON = (
-    "not run on this machine: a non-causal multi-token draft under DCP needs a "
-    "backend with DSpark DCP support (FLASHINFER_MLA, CUDA); TRITON_MLA's builder "
+    "not run on {backend}: a non-causal multi-token draft under DCP needs a "
+    "backend with DSpark DCP support (FLASHINFER_MLA, CUDA); {backend}'s builder "
     "refuses it"
 )
 
@@ -334,13 +363,7 @@ def why_not_run(group: CacheGroup, *, gpu: bool, dcp: int) -> str | None:
             (cls or MLA_ATTENTION_CLASS).rsplit(".", 1)[-1] for cls in RUNNERS
         )
         return f"not run: layer class {name} (ranks builds {taught})"
-    refused = _spec_refusal(group, runner)
-    if refused is not None:
-        return refused
-    non_causal = group.spec_fields.get("non_causal_multi_token_decode", False)
-    if non_causal and group.shard_count(dcp) > 1 and not gpu:
-        return NON_CAUSAL_DCP_REASON
-    return None
+    return _spec_refusal(group, runner)
 
 
 def head_size_refused(head_size: int) -> str | None:
@@ -357,34 +380,96 @@ def head_size_refused(head_size: int) -> str | None:
     )
 
 
-def planned_world_size(k: int, dcp: int, partial_collectives: str) -> int:
+def planned_world_size(
+    k: int, dcp: int, partial_collectives: str, backend: str = BACKEND
+) -> int:
     """What a group's collectives span with K shards, as ``plan`` says for
     the same input: rule A6 where ``partial_collectives`` is ``replica`` and
     the backend binds the replica group, else D-wide."""
-    replica = partial_collectives == REPLICA and collectives_within_replica(BACKEND)
+    replica = partial_collectives == REPLICA and collectives_within_replica(backend)
     return collective_world_size(k, dcp, replica_collectives=replica)
 
 
+def group_backend(group: CacheGroup, dcp: int, *, gpu: bool, named: str) -> str:
+    """The backend a group runs on: ``named`` (``--attention-backend``), or
+    for ``auto`` its runner's CPU backend on a CPU and on a GPU the backend
+    vLLM 0.33.0 selects for the group on SM90 (``plan``'s)."""
+    if named != "auto":
+        return named
+    if not gpu:
+        runner = layer_runner(group)
+        return BACKEND if runner is None else runner.cpu_backend
+    from vllm_dcp_geometry.tooling.cli.plan.attention import (
+        default_attention_backend,
+    )
+
+    return default_attention_backend(group, dcp)
+
+
+def backend_refused(
+    group: CacheGroup, backend: str, dcp: int, *, gpu: bool
+) -> str | None:
+    """Why the group cannot run on ``backend`` here (None: it can): a
+    backend ``ranks`` does not build, a compiled one without a GPU, or a
+    non-causal multi-token draft under DCP on a backend whose builder
+    refuses it (vLLM's ``supports_non_causal_multi_token_dcp``)."""
+    from vllm_dcp_geometry.tooling.cli.plan.attention import (
+        NON_CAUSAL_DCP_MLA_BACKENDS,
+    )
+
+    runner = layer_runner(group)
+    backends = RUN_BACKENDS if runner is None else runner.backends
+    if backend not in backends:
+        return (
+            f"not run: backend {backend} (ranks runs this layer class on "
+            f"{', '.join(backends)})"
+        )
+    if backend not in backends[:1] and not gpu:
+        return f"not run on this machine: {backend} needs CUDA"
+    non_causal = group.spec_fields.get("non_causal_multi_token_decode", False)
+    under_dcp = group.shard_count(dcp) > 1
+    if non_causal and under_dcp and backend not in NON_CAUSAL_DCP_MLA_BACKENDS:
+        return NON_CAUSAL_DCP_REASON.format(backend=backend)
+    return None
+
+
 def plan_groups(
-    topology: Topology, *, gpu: bool, scale: int, partial_collectives: str
+    topology: Topology,
+    *,
+    gpu: bool,
+    scale: int,
+    partial_collectives: str,
+    backend: str = "auto",
+    dtype: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every group of the topology: what the workers run, at which shapes,
-    or why not."""
+    """Every group of the topology: what the workers run, on which backend
+    (``group_backend``), at which shapes, or why not."""
     dcp = topology.decode_context_parallel_size
     planned = []
     for index, group in enumerate(topology.groups):
         k = group.shard_count(dcp) if group.is_attention else None
         reason = why_not_run(group, gpu=gpu, dcp=dcp)
         runner = layer_runner(group) if group.is_attention else None
+        run_on = (
+            group_backend(group, dcp, gpu=gpu, named=backend)
+            if group.is_attention and group.kind == "mla"
+            else None
+        )
+        if reason is None and run_on is not None:
+            reason = backend_refused(group, run_on, dcp, gpu=gpu)
         shape = None
         if reason is None:
-            found = group_shape(topology, group, scale)
+            found = group_shape(topology, group, scale, run_on or BACKEND, dtype)
             shape, reason = (None, found) if isinstance(found, str) else (found, None)
-        world = None if k is None else planned_world_size(k, dcp, partial_collectives)
+        world = (
+            None
+            if k is None
+            else planned_world_size(k, dcp, partial_collectives, run_on or BACKEND)
+        )
         if shape is not None:
             reason = head_size_refused(
                 shape.kv_lora_rank + shape.rope_dim
-            ) or single_head_refused(shape, world or 1, gpu=gpu)
+            ) or single_head_refused(shape, world or 1, gpu=gpu, backend=shape.backend)
             shape = None if reason else shape
         planned.append(
             {
@@ -393,6 +478,7 @@ def plan_groups(
                 "kind": group.kind + (" (draft)" if group.draft else ""),
                 "layer_class": group.layer_class,
                 "runner": None if runner is None else runner.name,
+                "backend": run_on,
                 "non_causal": bool(
                     group.spec_fields.get("non_causal_multi_token_decode", False)
                 ),

@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape, phase_requests
-from vllm_dcp_geometry.tooling.cli.ranks.measuring import Meters
+from vllm_dcp_geometry.tooling.cli.ranks.cases import BACKEND, Shape, phase_requests
+from vllm_dcp_geometry.tooling.cli.ranks.measuring import Meters, record_local_lse_of
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     LAYER,
     build_layer,
@@ -62,6 +62,9 @@ class RankRun:
     partial_collectives: str | None
     """Where partial groups run their collectives; None when unpatched."""
     meters: Meters
+    cuda_graph: bool = False
+    """Also capture each group's decode step in a CUDA graph and replay it
+    (``--cuda-graph``; a GPU run only)."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,8 @@ def set_up_group(
         run.partial_collectives,
     )
     layer, backend = build(config, weight, rank, shape, device, group)
+    if backend.get_name() != BACKEND:
+        record_local_lse_of(type(layer.impl), run.meters.lse)
     attn_group = AttentionGroup(
         backend, [LAYER], group_spec(group, shape, run.patched), 0
     )
@@ -336,12 +341,13 @@ def set_up_group(
     )
 
 
-def run_forward(
+def prepare_forward(
     inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
-) -> tuple[Any, dict[str, Any]]:
-    """One forward of this rank's layer over ``inputs`` and ``cache``
-    (``set_up.attend``): its output [tokens, h * V] and the LSEs it handed
-    on."""
+) -> tuple[Callable[[], None], Any]:
+    """One forward of this rank's layer over ``inputs`` and ``cache``, ready
+    to run: the builder's metadata built (as the runner builds it before the
+    model runs), the inputs on the device; the call (``set_up.attend``) and
+    the output [tokens, h * V] it writes."""
     import torch
 
     shape, device, rank = set_up.group.shape, run.device, run.rank
@@ -362,18 +368,54 @@ def run_forward(
     output = torch.zeros(
         inputs.q.shape[0], h * shape.v_head_dim, dtype=dtype, device=device
     )
+    args = (
+        set_up,
+        on_device(inputs.q[:, rank * h : (rank + 1) * h]),
+        on_device(kv_c),
+        on_device(k_pe)[:, None, :],
+        cache,
+        metadata,
+        slots.to(device),
+        output,
+    )
+    return (lambda: set_up.attend(*args)), output
+
+
+def run_forward(
+    inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
+) -> tuple[Any, dict[str, Any]]:
+    """One forward of this rank's layer over ``inputs`` and ``cache``: its
+    output [tokens, h * V] and the LSEs it handed on."""
+    call, output = prepare_forward(inputs, set_up, run, cache)
     with run.meters.lse.recording() as seen:
-        set_up.attend(
-            set_up,
-            on_device(inputs.q[:, rank * h : (rank + 1) * h]),
-            on_device(kv_c),
-            on_device(k_pe)[:, None, :],
-            cache,
-            metadata,
-            slots.to(device),
-            output,
-        )
+        call()
     return output, seen
+
+
+def replay_decode_graph(
+    inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
+) -> Any:
+    """The decode step captured in a CUDA graph and replayed: its metadata
+    built before capture, one eager warm-up, the capture inside vLLM's own
+    ``graph_capture`` context (its stream and its groups' capture contexts,
+    as the model runner captures), the output cleared, one replay; the
+    output the replay wrote."""
+    import torch
+    from vllm.distributed.parallel_state import graph_capture
+
+    call, output = prepare_forward(inputs, set_up, run, cache)
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (
+        graph_capture(torch.device(run.device)) as context,
+        torch.cuda.graph(graph, stream=context.stream),
+    ):
+        call()
+    output.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return output
 
 
 def time_decode_steps(
@@ -468,6 +510,9 @@ def run_phase(
         lse_error = _decode_lse_error(set_up, seen, expected["lse"], run)
         report["decode_tokens"] = inputs.q.shape[0]
         report["decode_step_s"] = time_decode_steps(inputs, set_up, run, cache)
+        if run.cuda_graph:
+            replayed = replay_decode_graph(inputs, set_up, run, cache)
+            report["graph_max_abs_error"] = max_error(replayed, want)
         report["impl_dcp_world_size"] = int(set_up.layer.impl.dcp_world_size)
     else:
         lse_error = _context_lse_error(set_up, seen, expected["context_lse"], run)

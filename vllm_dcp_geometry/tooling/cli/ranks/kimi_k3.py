@@ -7,7 +7,8 @@ made by its own constructor (Kimi-Linear's layout: full-rank query and KV
 projections, no RoPE, no output gate; ``non_causal_multi_token_decode`` for
 a DSpark draft group), so its impl, its ``MLADCPManager`` and its prefill
 backend are the ones it makes itself; only the backend vLLM's selector would
-pick is the run's (TRITON_MLA, and ``cpu_sdpa`` for prefill, on a CPU). Its
+pick is the group's (TRITON_MLA, and ``cpu_sdpa`` for prefill, on a CPU; on
+a GPU the group's compiled backend). Its
 weights are absorbed by its own ``process_weights_after_loading``. It is in
 the forward context before the group's builder is made, so the plugin's
 builder binds it with the Kimi-K3 binder, as in a ``vllm serve`` worker.
@@ -106,7 +107,7 @@ def build_kimi_layer(
         verify_symbol(symbol)
     for selector in ("get_attn_backend", "get_mla_prefill_backend"):
         require_global_call(kimi_mla, "MultiHeadLatentAttention.__init__", selector)
-    backend, prefill = run_backend(device)
+    backend, prefill = run_backend(shape.backend, device)
     dtype = getattr(torch, shape.dtype)
     with contextlib.ExitStack() as stack:
         stack.enter_context(

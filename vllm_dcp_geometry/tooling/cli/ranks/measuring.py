@@ -445,6 +445,18 @@ def record_context_lse_in(module: ModuleType, lse: LseRecorder) -> None:
     wrap(module, "merge_attn_states", _record_context_lse, lse)
 
 
+def record_local_lse_of(impl_class: type, lse: LseRecorder) -> None:
+    """Also record the LSE the decode of ``impl_class`` (another backend's
+    impl than TRITON_MLA's) hands on, at the class that defines its
+    ``forward_mqa``; call it before a builder binds an impl (a bound impl
+    keeps the method it found)."""
+    owner = next((c for c in impl_class.__mro__ if "forward_mqa" in vars(c)), None)
+    if owner is None:
+        raise RuntimeError(f"ranks: {impl_class.__qualname__} has no forward_mqa")
+    verify_symbol(UpstreamSymbol(owner.__module__, f"{owner.__qualname__}.forward_mqa"))
+    wrap(owner, "forward_mqa", _record_local_lse, lse)
+
+
 # Installing them -----------------------------------------------------------------
 
 

@@ -39,6 +39,8 @@ def _result(g: dict[str, Any]) -> str:
     if g.get("crashed"):
         return "CRASHED: " + "; ".join(g["crashed"])
     status = "ok" if g["numerics_ok"] else "WRONG"
+    if not g.get("graph_ok", True):
+        status += ", CUDA-graph replay WRONG"
     if not g["layer_class_matches"]:
         status += f", ran {', '.join(g['layer_class_run'])}: FAILED"
     if not g["traffic_matches_formula"]:
@@ -84,6 +86,16 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def _shapes_line(report: dict[str, Any]) -> str:
+    line = _scaled_shapes(report)
+    if report.get("dtype_override"):
+        line += (
+            f"; every group in {report['dtype_override']} (--float32), not its "
+            "own dtype"
+        )
+    return line
+
+
+def _scaled_shapes(report: dict[str, Any]) -> str:
     ran = [g["shape"] for g in report["groups"] if g["shape"] is not None]
     longest = max(shape["max_model_len"] for shape in ran)
     if not report["scaled"]:
@@ -135,12 +147,27 @@ def _nccl_line(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _backends_line(report: dict[str, Any]) -> str:
+    """Which backend each group ran on."""
+    by_backend: dict[str, list[str]] = {}
+    for g in report["groups"]:
+        if g["status"] == "run":
+            by_backend.setdefault(str(g.get("backend")), []).append(g["name"])
+    return "  attention backends: " + "; ".join(
+        f"{backend}: {', '.join(names)}" for backend, names in by_backend.items()
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     procs = report["processes"]
     version = report.get("vllm_version") or ""
+    where = procs["device"]
+    if procs["device"] == "cuda":
+        where += " " + ", ".join(procs.get("device_names", []))
+    launched = ", started by torchrun" if procs.get("launched_by") == "torchrun" else ""
     ran = (
         f"{report['ranks']} worker processes ({procs['backend']}, "
-        f"{procs['device']}, TP = DCP = {report['ranks']}), "
+        f"{where}, TP = DCP = {report['ranks']}{launched}), "
         f"{report['groups_run']} group(s) run in {report['elapsed_s']:.1f} s"
     )
     budget = report["tolerance"]["dtype_roundings"]
@@ -175,6 +202,7 @@ def format_report(report: dict[str, Any]) -> str:
             "  torch stand-ins for missing compiled ops: "
             + ", ".join(report["stand_ins"])
         )
+    lines.append(_backends_line(report))
     lines.append("")
     lines.append(format_table(report))
     lines.extend(_traffic_lines(report))

@@ -99,6 +99,7 @@ def _group_row(g: dict[str, Any], dcp: int) -> dict[str, Any]:
         "name": g["name"],
         "kind": g["kind"],
         "layer_class": g["layer_class"] or "MLAAttention",
+        "backend": g.get("backend"),
         "shard_count": g["shard_count"],
         "block_size": g["block_size"],
         **_shape_row(g),
@@ -182,6 +183,10 @@ def _measured(
     matches = (
         all(b == expected for b in decode) and attended == planned and not unmodeled
     )
+    # A decode step replayed from a CUDA graph (--cuda-graph) must be as
+    # right as the eager one.
+    graph = _worst([r.get("graph_max_abs_error") for r in ranks])
+    graph_ok = graph is None or graph <= errors["decode_max_abs_error_tolerance"]
     # The class every rank ran must be the one the plan names.
     planned_class = g["layer_class"] or MLA_ATTENTION_CLASS
     ran_class = {r["layer_class_run"] for r in ranks}
@@ -213,7 +218,12 @@ def _measured(
         ),
         "layer_class_run": sorted(ran_class),
         "layer_class_matches": ran_class == {planned_class},
-        "ok": errors["numerics_ok"] and matches and ran_class == {planned_class},
+        "graph_max_abs_error": graph,
+        "graph_ok": graph_ok,
+        "ok": errors["numerics_ok"]
+        and matches
+        and graph_ok
+        and ran_class == {planned_class},
     }
 
 
@@ -227,8 +237,10 @@ def merge(
     gpu: bool,
     scale: int,
     partial_collectives: str,
+    launched_by: str = "vllm-dcp-geometry",
 ) -> dict[str, Any]:
-    """One report from the ranks' results."""
+    """One report from the ranks' results (``launched_by``: this command's
+    launcher, or ``torchrun``)."""
     dcp = topology.decode_context_parallel_size
     backend = NCCL if gpu else GLOO
     rows = []
@@ -268,6 +280,8 @@ def merge(
             "count": len(results),
             "backend": backend,
             "device": "cuda" if gpu else "cpu",
+            "device_names": sorted({r.get("device_name", "?") for r in results}),
+            "launched_by": launched_by,
             "tensor_parallel_size": dcp,
             "dcp_group": first.get("dcp_group"),
             "plugin_loaded_by_vllm": [r["patched"] for r in results],

@@ -44,10 +44,60 @@ STOP_GRACE_S = 5.0
 stops (a partner died, the run timed out or was interrupted)."""
 
 
+DEVICES = ("auto", "cpu", "cuda")
+"""Where the ranks run (``--device``): ``auto`` is CUDA where D GPUs are
+visible, else the CPU."""
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""torch.distributed's environment, as ``torchrun`` sets it for each process:
+with all of them set, this process is one rank of a run across nodes."""
+
+
 def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def torchrun_environment() -> dict[str, str] | None:
+    """``TORCHRUN_VARIABLES`` where every one is set (None otherwise)."""
+    found = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
+    if any(value is None for value in found.values()):
+        return None
+    return {name: str(value) for name, value in found.items()}
+
+
+def runs_on_gpu(device: str, dcp: int, *, torchrun: bool) -> bool:
+    """Whether the ranks run on CUDA; refuses (``CliError``) a ``--device``
+    the machine cannot give: CUDA with fewer than D visible GPUs (one
+    process per GPU, unless torchrun spreads the ranks over nodes), or a
+    CPU run under torchrun whose environment lacks the CPU switches (they
+    must be set before vLLM is imported: the launcher sets them in its
+    fresh workers, torchrun passes on the environment it is given)."""
+    if torchrun:
+        if device == "cuda" or (device == "auto" and visible_gpus() > 0):
+            if visible_gpus() == 0:
+                raise CliError("ranks --device cuda under torchrun: no GPU visible")
+            return True
+        switches = child_environment()
+        missing = {k: v for k, v in switches.items() if os.environ.get(k) != v}
+        if missing:
+            words = " ".join(f"{k}={v!r}" for k, v in sorted(switches.items()))
+            raise CliError(
+                "ranks on CPU under torchrun needs the CPU switches in its "
+                f"environment before vLLM is imported: run it as {words} torchrun ..."
+            )
+        return False
+    if device == "cpu":
+        return False
+    gpus = visible_gpus()
+    if device == "cuda" and gpus < dcp:
+        raise CliError(
+            f"ranks --device cuda: D={dcp} needs {dcp} visible GPUs (one worker "
+            f"per GPU), {gpus} visible; use a smaller --dcp, or torchrun across "
+            "nodes"
+        )
+    return gpus >= dcp
 
 
 def free_port() -> int:
@@ -87,6 +137,7 @@ def launch(
     gpu: bool,
     scale: int,
     partial_collectives: str,
+    cuda_graph: bool = False,
 ) -> tuple[list[dict[str, Any]], float]:
     """Run the D workers; their results (by rank) and the wall time. Refuses
     (``CliError``) D workers this machine's memory cannot hold at the
@@ -96,18 +147,17 @@ def launch(
     runnable = [g for g in groups if g["run"]]
     check_memory(topology, runnable, scale)
     env = _child_env(patched=patched, gpu=gpu, verbose=verbose)
-    port = free_port()
     mode = "patched" if patched else "unpatched"
     started = time.perf_counter()
-    common = {
-        "world": dcp,
-        "port": port,
-        "backend": "nccl" if gpu else "gloo",
-        "device": "cuda" if gpu else "cpu",
-        "seed": seed,
-        "partial_collectives": partial_collectives,
-        "groups": runnable,
-    }
+    common = worker_plan(
+        dcp,
+        runnable,
+        gpu=gpu,
+        seed=seed,
+        partial_collectives=partial_collectives,
+        cuda_graph=cuda_graph,
+    )
+    common["port"] = free_port()
     procs: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="vllm-dcp-geometry-ranks-") as tmp:
         try:
@@ -142,6 +192,68 @@ def launch(
             _stop(procs)
             for _, log in procs:
                 log.close()
+    return results, time.perf_counter() - started
+
+
+def worker_plan(
+    dcp: int,
+    runnable: list[dict[str, Any]],
+    *,
+    gpu: bool,
+    seed: int,
+    partial_collectives: str,
+    cuda_graph: bool,
+) -> dict[str, Any]:
+    """What every worker's plan holds (each adds its rank and how the ranks
+    meet)."""
+    return {
+        "world": dcp,
+        "backend": "nccl" if gpu else "gloo",
+        "device": "cuda" if gpu else "cpu",
+        "seed": seed,
+        "partial_collectives": partial_collectives,
+        "cuda_graph": cuda_graph,
+        "groups": runnable,
+    }
+
+
+def run_in_torchrun(
+    environment: dict[str, str],
+    groups: list[dict[str, Any]],
+    dcp: int,
+    *,
+    gpu: bool,
+    seed: int,
+    partial_collectives: str,
+    cuda_graph: bool,
+) -> tuple[list[dict[str, Any]] | None, float]:
+    """This process as one rank of a torchrun run (no launcher): its worker
+    run, meeting the others through torch.distributed's environment; rank 0
+    gets every rank's result (None elsewhere), and the wall time."""
+    from vllm_dcp_geometry.tooling.cli.ranks.worker import run_rank
+
+    world = int(environment["WORLD_SIZE"])
+    if world != dcp:
+        raise CliError(
+            f"ranks under torchrun: WORLD_SIZE={world} processes, the topology's "
+            f"D={dcp} ranks (one process per DCP rank)"
+        )
+    plan = worker_plan(
+        dcp,
+        [g for g in groups if g["run"]],
+        gpu=gpu,
+        seed=seed,
+        partial_collectives=partial_collectives,
+        cuda_graph=cuda_graph,
+    )
+    plan.update(
+        rank=int(environment["RANK"]),
+        local_rank=int(environment["LOCAL_RANK"]),
+        init_method="env://",
+        gather=True,
+    )
+    started = time.perf_counter()
+    results = run_rank(plan)
     return results, time.perf_counter() - started
 
 
@@ -195,29 +307,65 @@ def run_ranks(
     verbose: bool = False,
     scale: int = 1,
     partial_collectives: str | None = None,
-) -> dict[str, Any]:
+    device: str = "auto",
+    backend: str = "auto",
+    cuda_graph: bool = False,
+    dtype: str | None = None,
+) -> dict[str, Any] | None:
     """The whole run on ``patched`` (or unpatched) vLLM; a JSON-ready report.
     ``scale``: the divisor of every group's heads, latent and rope dims (1:
     its own); ``partial_collectives``: where the patched ranks run partial
     groups' collectives (``collectives.REPLICA`` or ``DCP_GROUP``; None: the
-    topology's, as ``plan`` reads it). Refuses (``CliError``) a topology with
-    no group to run, naming why per group."""
+    topology's, as ``plan`` reads it); ``device``, ``backend`` and
+    ``cuda_graph``: ``--device``, ``--attention-backend``, ``--cuda-graph``;
+    ``dtype``: every group's dtype instead of its own (``--float32``).
+    Under torchrun this process is one rank (``run_in_torchrun``): rank 0
+    returns the report, the others None; the plugin is loaded or not as
+    ``VLLM_PLUGINS`` says. Refuses (``CliError``) a topology with no group
+    to run, naming why per group, and a device the machine cannot give."""
     where = partial_collectives or topology.partial_collectives
-    gpu = visible_gpus() >= topology.decode_context_parallel_size
-    groups = plan_groups(topology, gpu=gpu, scale=scale, partial_collectives=where)
-    if not any(g["run"] for g in groups):
-        raise CliError(nothing_to_run(topology, groups))
-    results, elapsed = launch(
+    dcp = topology.decode_context_parallel_size
+    torchrun = torchrun_environment()
+    gpu = runs_on_gpu(device, dcp, torchrun=torchrun is not None)
+    if cuda_graph and not gpu:
+        raise CliError("ranks --cuda-graph captures CUDA graphs: it needs a GPU run")
+    groups = plan_groups(
         topology,
-        groups,
-        patched=patched,
-        seed=seed,
-        progress=progress,
-        verbose=verbose,
         gpu=gpu,
         scale=scale,
         partial_collectives=where,
+        backend=backend,
+        dtype=dtype,
     )
+    if not any(g["run"] for g in groups):
+        raise CliError(nothing_to_run(topology, groups))
+    if torchrun is not None:
+        gathered, elapsed = run_in_torchrun(
+            torchrun,
+            groups,
+            dcp,
+            gpu=gpu,
+            seed=seed,
+            partial_collectives=where,
+            cuda_graph=cuda_graph,
+        )
+        if gathered is None:
+            return None
+        results = gathered
+        patched = bool(results[0]["patched"])
+    else:
+        results, elapsed = launch(
+            topology,
+            groups,
+            patched=patched,
+            seed=seed,
+            progress=progress,
+            verbose=verbose,
+            gpu=gpu,
+            scale=scale,
+            partial_collectives=where,
+            cuda_graph=cuda_graph,
+        )
     if any(r["patched"] != patched for r in results):
         raise CliError(
             "a worker's vLLM plugin loader "
@@ -233,4 +381,5 @@ def run_ranks(
         gpu=gpu,
         scale=scale,
         partial_collectives=where,
+        launched_by="torchrun" if torchrun is not None else "vllm-dcp-geometry",
     )

@@ -20,7 +20,7 @@ from vllm_dcp_geometry.contract.overrides import (
     LAYERS_KEY,
     PARTIAL_COLLECTIVES_KEY,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.cases import BACKEND, Shape
+from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.mla_rank_run import (
     build_mla_layer,
     write_deepseek_config,
@@ -114,12 +114,12 @@ def serving_config(plan: dict[str, Any], shape: Shape, path: Path, device: str) 
     return config
 
 
-def run_backend(device: str) -> tuple[Any, Any]:
-    """The run's MLA backend class (``cases.BACKEND``) and, on a CPU, the
+def run_backend(name: str, device: str) -> tuple[Any, Any]:
+    """The backend class ``name`` (the group's) and, on a CPU, the
     ``cpu_sdpa`` prefill backend (None elsewhere: the layer's own choice)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    backend = AttentionBackendEnum[BACKEND].get_class()
+    backend = AttentionBackendEnum[name].get_class()
     if device != "cpu":
         return backend, None
     from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (
@@ -132,12 +132,12 @@ def run_backend(device: str) -> tuple[Any, Any]:
 def build_layer(
     config: Any, weight: Any, rank: int, shape: Shape, device: str
 ) -> tuple[Any, Any]:
-    """The rank's ``MLAAttention`` (the run's backend) with its slice of
+    """The rank's ``MLAAttention`` (the group's backend) with its slice of
     ``kv_b_proj`` (a real ``ColumnParallelLinear`` over the TP group), and
     the backend class."""
     import torch
 
-    backend, _ = run_backend(device)
+    backend, _ = run_backend(shape.backend, device)
     layer = build_mla_layer(
         config,
         shape,

@@ -53,14 +53,20 @@ def _init_distributed(plan: dict[str, Any], config: Any) -> None:
         parallel_state.init_distributed_environment(
             world,
             rank,
-            f"tcp://127.0.0.1:{plan['port']}",
-            rank,
+            init_method(plan),
+            plan.get("local_rank", rank),
             backend=plan["backend"],
         )
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=world,
             decode_context_model_parallel_size=world,
         )
+
+
+def init_method(plan: dict[str, Any]) -> str:
+    """Where the ranks meet: ``env://`` under torchrun (torch.distributed's
+    environment variables), else the launcher's loopback port."""
+    return plan.get("init_method") or f"tcp://127.0.0.1:{plan['port']}"
 
 
 def _crash(exc: BaseException) -> str:
@@ -86,8 +92,11 @@ def run_planned(entry: dict[str, Any], run: RankRun) -> dict[str, Any]:
         return {"name": entry["name"], "crashed": _crash(exc)}
 
 
-def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
-    """This rank's whole run, from its plan; a JSON-ready result."""
+def run_rank(plan: dict[str, Any]) -> Any:
+    """This rank's whole run, from its plan; a JSON-ready result. With
+    ``plan["gather"]`` (torchrun: no launcher reads result files) every
+    rank's result is gathered over the world group before it is torn down:
+    rank 0 returns the list of all of them, the others None."""
     import torch
     from vllm.distributed import parallel_state
     from vllm.plugins import load_general_plugins
@@ -102,8 +111,9 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
     device = plan["device"]
     stand_ins = cpu_stand_ins.install_cpu_stand_ins() if device == "cpu" else []
     if device != "cpu":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+        local = plan.get("local_rank", rank)
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
     path = model_dir(world, shape)
     enable_flight_recorder()
     _init_distributed(plan, vllm_config(path, world, 1, 16, shape, device))
@@ -122,13 +132,10 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
         patched=patched,
         partial_collectives=plan["partial_collectives"] if patched else None,
         meters=meters,
+        cuda_graph=bool(plan.get("cuda_graph", False)),
     )
     groups = [run_planned(g, run) for g in plan["groups"]]
-    if patched:
-        destroy_replica_groups()
-    parallel_state.destroy_model_parallel()
-    parallel_state.destroy_distributed_environment()
-    return {
+    result = {
         "rank": rank,
         "patched": patched,
         "dcp_group": {
@@ -140,7 +147,26 @@ def run_rank(plan: dict[str, Any]) -> dict[str, Any]:
         "stand_ins": stand_ins,
         "replica_groups": list(made),
         "groups": groups,
+        "device_name": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
     }
+    gathered = _gathered(result) if plan.get("gather") else result
+    if patched:
+        destroy_replica_groups()
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+    return gathered
+
+
+def _gathered(result: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's result on rank 0 (None elsewhere), over the world
+    group's CPU (gloo) group."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    world = parallel_state.get_world_group()
+    results: list[Any] | None = [None] * world.world_size if world.rank == 0 else None
+    dist.gather_object(result, results, dst=world.ranks[0], group=world.cpu_group)
+    return results
 
 
 def main(argv: list[str]) -> int:
