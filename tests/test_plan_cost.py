@@ -190,21 +190,18 @@ def test_missing_shapes_print_a_dash_with_the_reason(capsys, tmp_path):
     assert k2 == ["mla.k2", "2", "replica", "-", "1", "4", "-", "2"]
 
 
-def test_quantized_caches_and_indexers_get_no_bytes(capsys):
+def test_sparse_mla_and_its_indexer_collective_within_their_replica(capsys):
+    # Their bytes: tests/test_plan_cost_sparse.py.
     groups = plan_groups(capsys, "--profile", "deepseek-v32-tp8-dcp8")
-    for name in ("latent.k4", "indexer.k4"):
-        g = groups[name]
-        assert g["decode_collective_bytes_per_rank_per_token"] is None
-        assert g["decode_collective_bytes_reason"]
     # Sparse MLA and its indexer collective within their replica (rule A6):
     # 4 ranks of the 8, one rank's work; the D-wide option is 8 and twice it.
     assert groups["latent.k4"]["attention_backend"] == "FLASHMLA_SPARSE"
+    assert groups["latent.k4"]["decode_collectives"] == "attention"
+    assert groups["indexer.k4"]["decode_collectives"] == "indexer_topk_merge"
     for name in ("latent.k4", "indexer.k4"):
         assert groups[name]["collective_world_size"] == 4
         assert groups[name]["attention_work_vs_sharded"] == 1.0
         assert groups[name]["dcp_group_attention_work_vs_sharded"] == 2.0
-    assert "fp8_ds_mla" in groups["latent.k4"]["decode_collective_bytes_reason"]
-    assert "indexer" in groups["indexer.k4"]["decode_collective_bytes_reason"]
 
 
 def test_recurrent_groups_have_no_cost(capsys):

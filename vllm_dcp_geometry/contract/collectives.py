@@ -13,7 +13,11 @@ masked by rule A3), as every non-MLA partial group runs.
 
 The traffic model (``collective_bytes`` and the decode-step formulas) is what
 ``vllm-dcp-geometry ranks`` measures in real processes and what ``plan``
-reports. Pure Python: no vLLM or torch import.
+reports: an attention layer's query all-gather and combine
+(``dcp_decode_step_bytes``, ``mla_decode_step_bytes``, and
+``dcp_decode_step_bytes_by_dtype`` where the query travels in another dtype
+than the output, ``mla_query_element_bytes``), and the DSA indexer's top-k
+merge (``indexer_topk_merge_bytes``). Pure Python: no vLLM or torch import.
 """
 
 from __future__ import annotations
@@ -141,6 +145,28 @@ COLLECTIVES = (
 NCCL = "nccl"
 GLOO = "gloo"
 
+FLOAT32_BYTES = 4
+"""An LSE as most decode kernels return it, and each half of an indexer
+candidate."""
+
+FP8_BYTES = 1
+"""An element of the platform's fp8 dtype (``float8_e4m3fn`` or its
+``fnuz`` variant): what vLLM quantizes MLA queries to."""
+
+FP8_DS_MLA = "fp8_ds_mla"
+"""DeepSeek's packed fp8 MLA cache format: quantized, yet vLLM never gathers
+its queries in fp8 (``mla_query_element_bytes``)."""
+
+LSE_IN_QUERY_DTYPE_BACKENDS = frozenset({"TRITON_MLA"})
+"""Backends whose decode kernel returns its LSEs in the query's dtype
+(vLLM 0.33.0's ``TritonMLAImpl.forward_mqa``), which the combine's LSE
+all-gather then moves; every other backend's kernel returns float32 LSEs
+(``FLOAT32_BYTES``)."""
+
+INDEXER_CANDIDATE_BYTES = 2 * FLOAT32_BYTES
+"""One candidate of the DSA indexer's top-k merge: its (score, global token
+id) pair, packed as two float32 values."""
+
 BACKEND_RUNS_AS = {NCCL: {}, GLOO: {"reduce_scatter": "all_reduce"}}
 """How a process-group backend runs a requested collective where it does
 not run it as itself: torch's gloo backend has no tensor reduce-scatter and
@@ -210,10 +236,44 @@ def dcp_decode_step_bytes(
     l on NCCL; 0 for W = 1 (local attention). On gloo the reduce-scatter runs
     as an all-reduce (``BACKEND_RUNS_AS``): its term doubles.
     """
+    return dcp_decode_step_bytes_by_dtype(
+        world_size,
+        tokens=tokens,
+        heads_per_rank=heads_per_rank,
+        query_head_dim=query_head_dim,
+        output_head_dim=output_head_dim,
+        query_bytes=dtype_bytes,
+        output_bytes=dtype_bytes,
+        lse_bytes=lse_bytes,
+        backend=backend,
+    )
+
+
+def dcp_decode_step_bytes_by_dtype(
+    world_size: int,
+    *,
+    tokens: int,
+    heads_per_rank: int,
+    query_head_dim: int,
+    output_head_dim: int,
+    query_bytes: int,
+    output_bytes: int,
+    lse_bytes: int = FLOAT32_BYTES,
+    backend: str = NCCL,
+) -> int:
+    """``dcp_decode_step_bytes`` with each tensor in its own dtype: queries of
+    ``query_bytes`` per element (1 where vLLM gathers them in fp8,
+    ``mla_query_element_bytes``), partial outputs of ``output_bytes`` (the
+    model's activation dtype) and LSEs of ``lse_bytes``.
+
+    Total 2 (W - 1) T (h Q q + W h l + h O o) on NCCL for query, LSE and
+    output element sizes q, l and o; 0 for W = 1. On gloo the reduce-scatter
+    runs as an all-reduce (``BACKEND_RUNS_AS``): its term doubles.
+    """
     t, h, w = tokens, heads_per_rank, world_size
-    query = t * h * query_head_dim * dtype_bytes
+    query = t * h * query_head_dim * query_bytes
     lse = t * w * h * lse_bytes
-    partial_out = t * w * h * output_head_dim * dtype_bytes
+    partial_out = t * w * h * output_head_dim * output_bytes
     return (
         collective_bytes(runs_as("all_gather", backend), w, query)
         + collective_bytes(runs_as("all_gather", backend), w, lse)
@@ -246,3 +306,41 @@ def mla_decode_step_bytes(
         lse_bytes=lse_bytes,
         backend=backend,
     )
+
+
+def mla_query_element_bytes(
+    activation_bytes: int,
+    *,
+    cache_dtype: str,
+    quantized_cache: bool,
+    quant_query_input: bool,
+) -> int:
+    """Bytes of one element of the queries an MLA layer's DCP manager
+    all-gathers (vLLM 0.33.0 ``MLAAttention.__init__``'s ``query_dtype``):
+    the platform's fp8 dtype (``FP8_BYTES``) where the cache is quantized
+    (``quantized_cache``: vLLM's ``is_quantized_kv_cache(cache_dtype)``) but
+    not ``fp8_ds_mla`` and the impl takes quantized queries
+    (``quant_query_input``: its ``supports_quant_query_input``); else the
+    model's activation dtype, ``activation_bytes``. The partial outputs are
+    always in the activation dtype."""
+    if quantized_cache and cache_dtype != FP8_DS_MLA and quant_query_input:
+        return FP8_BYTES
+    return activation_bytes
+
+
+def indexer_topk_merge_bytes(
+    world_size: int, *, tokens: int, topk: int, backend: str = NCCL
+) -> int:
+    """Bytes one rank sends plus receives in the DSA indexer's top-k merge
+    of ``tokens`` decode tokens over ``world_size`` ranks (vLLM 0.33.0's
+    ``_merge_dcp_topk_global``): each rank packs its local top-k as (score,
+    global id) float32 pairs, a ``[T, topk, 2]`` tensor of
+    ``T * topk * 2 * 4`` bytes, and all-gathers it, so every rank selects
+    from W x topk candidates per token. W is K within the replica for a
+    partial indexer cache (rule A6), else D.
+
+    Total 2 (W - 1) T topk 8 (``collective_bytes`` of an all-gather, which
+    NCCL and gloo both run as itself); 0 for W = 1 (vLLM does not merge).
+    """
+    packed = tokens * topk * INDEXER_CANDIDATE_BYTES
+    return collective_bytes(runs_as("all_gather", backend), world_size, packed)

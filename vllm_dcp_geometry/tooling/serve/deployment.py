@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_dcp_geometry.tooling.topology import MODEL_SOURCE, TopologyError
@@ -103,19 +103,55 @@ def _spec_fields(spec: Any, kind: str) -> dict[str, Any]:
     return fields
 
 
-def _cost_fields(module: Any, kind: str, tp: int) -> dict[str, Any]:
-    """The query heads (across TP) and latent rank of the layer vLLM built:
-    a rank's heads as its attention impl holds them (a layer's own
-    ``num_heads`` is per rank in some classes, across TP in others)."""
+def _cost_fields(
+    module: Any, kind: str, tp: int, activation_dtype: Any
+) -> dict[str, Any]:
+    """The query heads (across TP), latent rank and activation dtype of the
+    layer vLLM built: a rank's heads as its attention impl holds them (a
+    layer's own ``num_heads`` is per rank in some classes, across TP in
+    others); the dtype its model was built in, which its queries and outputs
+    travel in whatever the cache stores."""
     impl = getattr(module, "impl", None)
     heads = getattr(impl, "num_heads", None)
     fields: dict[str, Any] = {}
     if isinstance(heads, int) and kind != "mamba":
         fields["query_heads"] = heads * tp
+        fields["activation_dtype"] = _dtype_name(activation_dtype)
     rank = getattr(module, "kv_lora_rank", None)
     if kind == "mla" and isinstance(rank, int) and "query_heads" in fields:
         fields["kv_lora_rank"] = rank
     return fields
+
+
+def _activation_dtype(vllm_config: Any, draft: bool) -> Any:
+    """The dtype vLLM's loader builds the layer's model in
+    (``set_default_torch_dtype(model_config.dtype)``; a draft through its
+    own ``draft_model_config``): what ``MLAAttention`` takes as the dtype
+    of its queries and outputs (``torch.get_default_dtype()``)."""
+    if draft:
+        return vllm_config.speculative_config.draft_model_config.dtype
+    return vllm_config.model_config.dtype
+
+
+def check_indexer_topk(context: Mapping[str, Any], layer_names: Sequence[str]) -> None:
+    """Every DSA indexer among ``layer_names`` (the latent layers of
+    ``context``, the static forward context) merges as many candidates per
+    rank as its latent cache's ``topk_buffer_width``: ``plan`` sizes the
+    top-k merge from that spec field, and vLLM's indexer passes its own
+    ``topk_tokens`` (the model's ``index_topk``) to the merge. A layer whose
+    two differ would be planned wrong, so it fails here, naming the layer."""
+    for name in layer_names:
+        module = context.get(name)
+        indexer = getattr(module, "indexer", None)
+        topk = getattr(indexer, "topk_tokens", None)
+        width = getattr(module, "topk_buffer_width", None)
+        if topk is not None and topk != width:
+            raise TopologyError(
+                f"layer {name!r}: its DSA indexer merges the top-{topk} of each "
+                f"rank but the latent cache's topk_buffer_width is {width}; plan "
+                "sizes the top-k merge from topk_buffer_width and cannot describe "
+                "this layer"
+            )
 
 
 def _group_entries(vllm_config: Any, layers: Sequence[Any], groups: Sequence[Any]):
@@ -157,7 +193,12 @@ def _group_entries(vllm_config: Any, layers: Sequence[Any], groups: Sequence[Any
                 "draft": first.draft,
                 "source": MODEL_SOURCE,
                 **_spec_fields(first.spec, kind),
-                **_cost_fields(context[first.name], kind, tp),
+                **_cost_fields(
+                    context[first.name],
+                    kind,
+                    tp,
+                    _activation_dtype(vllm_config, first.draft),
+                ),
             }
             if kind != "mamba":
                 entry["layer_class"] = first.layer_class
@@ -208,6 +249,10 @@ def deployment_mapping(argv: Sequence[str]) -> tuple[dict[str, Any], int]:
             f"model {config.model_config.architecture}: vLLM's KV-cache planner "
             f"refuses these layers, as start-up would ({message})"
         ) from exc
+    check_indexer_topk(
+        config.compilation_config.static_forward_context,
+        [layer.name for layer in layers],
+    )
     entries = list(_group_entries(config, layers, groups))
     mapping = _topology_mapping(config, [entry for entry, _ in entries])
     topology = topology_from_mapping(mapping, source=MODEL_SOURCE)

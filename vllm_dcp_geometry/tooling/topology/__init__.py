@@ -4,9 +4,10 @@
 
 A topology is what the ``vllm-dcp-geometry`` commands plan and replay: one
 entry per KV-cache group (kind, layer names, block size and spec fields such
-as ``dcp_kv_shard_count`` or Mamba state shapes; optionally ``query_heads`` and
-``kv_lora_rank``, which only size ``plan``'s decode collectives) plus the
-parallel layout (``partial_collectives`` among it) and limits it is sized for.
+as ``dcp_kv_shard_count`` or Mamba state shapes; optionally ``query_heads``,
+``kv_lora_rank`` and ``activation_dtype``, which only size ``plan``'s decode
+collectives) plus the parallel layout (``partial_collectives`` among it) and
+limits it is sized for.
 Topologies come from the built-in profiles
 (``vllm_dcp_geometry/tooling/profiles/*.toml``) or from a user's TOML or JSON file.
 
@@ -34,6 +35,7 @@ from vllm_dcp_geometry.tooling.topology.files import (
 )
 from vllm_dcp_geometry.tooling.topology.limits import TopologyError
 from vllm_dcp_geometry.tooling.topology.model import (
+    ACTIVATION_DTYPE_BYTES,
     ATTENTION_KINDS,
     KINDS,
     MAMBA_CACHE_MODES,
@@ -47,6 +49,7 @@ from vllm_dcp_geometry.tooling.topology.parsing import topology_from_mapping
 from vllm_dcp_geometry.tooling.topology.writing import write_topology_file
 
 __all__ = [
+    "ACTIVATION_DTYPE_BYTES",
     "ATTENTION_KINDS",
     "DEFAULT_PROFILE",
     "KINDS",

@@ -37,6 +37,9 @@ MODEL_SOURCE = "model"
 GROUP_SOURCES = (MODEL_SOURCE, "config", TOPOLOGY_SOURCE)
 """Where a group came from: built from vLLM's real layers (``--model``),
 derived from vLLM's model config, or written in a topology file."""
+ACTIVATION_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""The model dtypes (vLLM's ``ModelConfig.dtype``, by torch name) a group's
+``activation_dtype`` may name, and the bytes of one element."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ class CacheGroup:
     """An MLA group's latent rank L (None: not given). Not a spec field: a
     cache row is L latent values then ``head_size - L`` rope values, so
     ``0 < L < head_size``."""
+    activation_dtype: str | None = None
+    """The dtype of the attention's queries and outputs: the model's dtype
+    (vLLM's ``ModelConfig.dtype``, the draft's for a draft group), which
+    vLLM builds the layer in (None: not given). Not a spec field: a quantized
+    cache (fp8, ``fp8_ds_mla``) stores another dtype, and ``plan`` sizes the
+    decode collectives from this one (``ACTIVATION_DTYPE_BYTES``)."""
     source: str = TOPOLOGY_SOURCE
     """``GROUP_SOURCES``: where the group came from."""
     built_backend: str | None = None
@@ -130,6 +139,11 @@ class CacheGroup:
             **(
                 {"kv_lora_rank": self.kv_lora_rank}
                 if self.kv_lora_rank is not None
+                else {}
+            ),
+            **(
+                {"activation_dtype": self.activation_dtype}
+                if self.activation_dtype is not None
                 else {}
             ),
             **{k: _jsonable(v) for k, v in sorted(self.spec_fields.items())},

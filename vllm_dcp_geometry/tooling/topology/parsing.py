@@ -21,6 +21,7 @@ from vllm_dcp_geometry.tooling.topology.limits import (
     show,
 )
 from vllm_dcp_geometry.tooling.topology.model import (
+    ACTIVATION_DTYPE_BYTES,
     ATTENTION_KINDS,
     GROUP_SOURCES,
     KINDS,
@@ -122,11 +123,12 @@ _GROUP_KEYS = frozenset(
 # fields (vLLM's spec constructors do not take them, and ``ranks`` reads every
 # spec field as something its stand-in layers must build).
 _COST_FIELDS: dict[str, frozenset[str]] = {
-    "full_attention": frozenset({"query_heads"}),
-    "mla": frozenset({"query_heads", "kv_lora_rank"}),
-    "sliding_window": frozenset({"query_heads"}),
+    "full_attention": frozenset({"query_heads", "activation_dtype"}),
+    "mla": frozenset({"query_heads", "kv_lora_rank", "activation_dtype"}),
+    "sliding_window": frozenset({"query_heads", "activation_dtype"}),
     "mamba": frozenset(),
 }
+_COST_DTYPE_FIELDS = frozenset({"activation_dtype"})
 _TOP_KEYS = frozenset(
     {"name", "description", "parallel", "limits", "cache", "replay", "groups"}
 )
@@ -264,9 +266,18 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         )
     cost = {
         key: POSITIVE_INT32.check(raw[key], f"{where}: {key}")
-        for key in sorted(_COST_FIELDS[kind])
+        for key in sorted(_COST_FIELDS[kind] - _COST_DTYPE_FIELDS)
         if key in raw
     }
+    activation_dtype = raw.get("activation_dtype")
+    if activation_dtype is not None and (
+        not isinstance(activation_dtype, str)
+        or activation_dtype not in ACTIVATION_DTYPE_BYTES
+    ):
+        raise TopologyError(
+            f"{where}: activation_dtype must be the model's dtype, one of "
+            f"{sorted(ACTIVATION_DTYPE_BYTES)}, got {show(activation_dtype)}"
+        )
     return CacheGroup(
         name=name,
         kind=kind,
@@ -278,6 +289,7 @@ def _group_from_mapping(raw: Any, index: int) -> CacheGroup:
         attention_features=features,
         query_heads=cost.get("query_heads"),
         kv_lora_rank=cost.get("kv_lora_rank"),
+        activation_dtype=activation_dtype,
         source=source,
         built_backend=built_backend,
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import grouping_lines
 from vllm_dcp_geometry.tooling.cli.common.text_table import RULE, render_table
+from vllm_dcp_geometry.tooling.cli.plan.cost import INDEXER_TOPK_MERGE
 from vllm_dcp_geometry.tooling.cli.plan.document import misread_by_upstream
 
 
@@ -150,14 +151,24 @@ def _cost_lines(plan: dict[str, Any]) -> list[str]:
             reasons.setdefault(g["decode_collective_bytes_reason"], []).append(
                 g["name"]
             )
+    indexers = [
+        g["name"] for g in costed if g["decode_collectives"] == INDEXER_TOPK_MERGE
+    ]
+    what_moves = (
+        "attention: query all-gather, LSE all-gather, output reduce-scatter; "
+        "a DSA indexer cache (" + ", ".join(indexers) + "): its top-k merge, an "
+        "all-gather of each rank's top-k (score, id) float32 candidates"
+        if indexers
+        else "query all-gather, LSE all-gather, output reduce-scatter"
+    )
     return [
         "",
         "decode collectives (partial_collectives="
         f"{plan['inputs']['partial_collectives']}): W ranks, over the group's "
         "replica (rule A6), the DCP group or none (local); bytes one rank sends "
-        "plus receives per decoded token in one layer (query all-gather, LSE "
-        "all-gather, output reduce-scatter); attention work per rank vs a K=D "
-        "group; partial groups also on the D-wide DCP group.",
+        f"plus receives per decoded token in one layer ({what_moves}); "
+        "attention work per rank vs a K=D group; partial groups also on the "
+        "D-wide DCP group.",
         render_table(_COST_HEADERS, rows, right={1, 3, 4, 5, 6, 7}),
         *(
             f"no collective bytes ({reason}): {', '.join(names)}"

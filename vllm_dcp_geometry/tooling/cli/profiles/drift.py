@@ -6,8 +6,9 @@ builds for the model folder and serve flags it stands for
 
 The two agree when they hold the same layers in the same groups and, group
 by group, the same vLLM spec (built from each), layer class, draft flag,
-heads and latent rank, and the same ``plan`` row (K, attention mode and
-backend, widths, bytes, collectives); group names and sources may differ.
+heads, latent rank and activation dtype, and the same ``plan`` row (K,
+attention mode and backend, widths, bytes, collectives); group names and
+sources may differ.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ GROUP_FIELDS = (
     "attention_features",
     "query_heads",
     "kv_lora_rank",
+    "activation_dtype",
 )
 _PLAN_ROW_NAMES = frozenset({"name", "source", "layers"})  # layers: compared as sets
 
