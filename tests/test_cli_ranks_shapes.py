@@ -296,3 +296,32 @@ def test_partial_collectives_come_from_the_topology_as_for_plan(
     flag = ["-t", str(path), "--partial-collectives", other]
     assert _ranks_world(monkeypatch, *flag) == (other, other_world)
     capsys.readouterr()
+
+
+def test_plan_prices_each_group_as_ranks_counts_it(
+    own_shapes: dict[str, Any], capsys: Any
+) -> None:
+    """``plan`` on the same topology and backend (TRITON_MLA, what the
+    workers ran) names each group's W, and its bytes per decoded token times
+    the step's tokens are the NCCL figure of the step ``ranks`` counted
+    (whose gloo count equals the gloo formula, checked above): the cost
+    table is what real processes move."""
+    args = ["plan", "-t", str(own_shapes["path"]), "--json"]
+    assert main([*args, "--attention-backend", "TRITON_MLA"]) == EXIT_OK
+    planned = {g["name"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    for g in own_shapes["report"]["groups"]:
+        row = planned[g["name"]]
+        assert row["collective_world_size"] == g["collective_world_size"]
+        per_token = row["decode_collective_bytes_per_rank_per_token"]
+        tokens = g["decode_tokens_per_step"]
+        assert g["nccl_formula_bytes_per_rank_per_step"] == per_token * tokens, g
+    # On vLLM's SM90 choice (FLASH_ATTN_MLA) the LSEs travel in float32, so
+    # plan's figure for the partial group is not the TRITON_MLA run's.
+    assert main(args) == EXIT_OK
+    sm90 = {g["name"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    k2 = next(g for g in own_shapes["report"]["groups"] if g["name"] == "mla.k2")
+    assert (
+        sm90["mla.k2"]["decode_collective_bytes_per_rank_per_token"]
+        * k2["decode_tokens_per_step"]
+        > k2["nccl_formula_bytes_per_rank_per_step"]
+    )
