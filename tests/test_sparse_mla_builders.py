@@ -41,9 +41,7 @@ from tests.support.sparse_mla import (
     LATENT_LAYER,
     build_group_builder,
     dsv32_config,
-    indexer_spec,
     install_sparse_layers,
-    latent_spec,
     rank_process,
 )
 from vllm_dcp_geometry.contract import local_seq_len
@@ -53,6 +51,7 @@ from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
 from vllm_dcp_geometry.runtime.mla_geometry import ShardWorldForwardMqa
 from vllm_dcp_geometry.runtime.patching import original_of
+from vllm_dcp_geometry.tooling.sparse_rank_run import indexer_spec, latent_spec
 
 pytestmark = pytest.mark.patches(
     "worker.mla_indexer",

@@ -37,7 +37,6 @@ from tests.support.sparse_mla import (
     select_on_ranks,
     selection_lengths,
     selection_sets,
-    stable_topk_stand_in,
     tied_scores,
 )
 from tests.support.sweeps import divisors
@@ -47,6 +46,7 @@ from vllm_dcp_geometry.runtime.group_context import (
     use_indexer_geometry,
 )
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
+from vllm_dcp_geometry.tooling.cpu_stand_ins import stable_topk_stand_in
 
 pytestmark = pytest.mark.patches(
     "worker.sparse_attn_indexer", "worker.deepseek_v32_attention"

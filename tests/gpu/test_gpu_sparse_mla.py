@@ -81,7 +81,8 @@ def test_cutedsl_selector_keeps_the_stand_in_contract() -> None:
         stable_topk_from_gathered_candidates_cutedsl,
     )
 
-    from tests.support.sparse_mla import selection_sets, stable_topk_stand_in
+    from tests.support.sparse_mla import selection_sets
+    from vllm_dcp_geometry.tooling.cpu_stand_ins import stable_topk_stand_in
 
     _require_cutedsl()
     gen = torch.Generator().manual_seed(3)
@@ -198,8 +199,6 @@ def _flashmla_rank(
         block_table,
         build_group_builder,
         dsv32_config,
-        indexer_spec,
-        latent_spec,
         layer_shell,
         rank_process,
     )
@@ -208,6 +207,7 @@ def _flashmla_rank(
         DEEPSEEK_V32_ATTENTION,
         LAYER_CLASS_ATTR,
     )
+    from vllm_dcp_geometry.tooling.sparse_rank_run import indexer_spec, latent_spec
 
     backend = AttentionBackendEnum["FLASHMLA_SPARSE"].get_class()
     vllm_config = dsv32_config(
@@ -372,7 +372,7 @@ def _flashmla_forward(dcp: int, k: int, seed: int) -> dict[str, Any]:
     ranks = [_flashmla_rank(dcp, k, r, coop, latents, seed) for r in range(dcp)]
     calls: dict[int, Any] = {}
     indexer_call = deepseek_v32_attention._make_sparse_attn_indexer(
-        indexer_op_stand_in(calls, coop)
+        indexer_op_stand_in(lambda call: calls.__setitem__(coop.local.rank, call))
     )
     layers = [
         {LATENT_LAYER: rank["layer"], INDEXER_LAYER: rank["cache_layer"]}

@@ -31,6 +31,7 @@ import torch
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
 from vllm_dcp_geometry.tooling.cpu_stand_ins import STAND_IN_OPS
+from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced as replaced
 from vllm_dcp_geometry.tooling.mla_rank_run import (
     build_mla_layer,
     max_error,
@@ -261,16 +262,6 @@ def all_gather_into_tensor(out: Any, local: Any, group: Any = None, **_: Any) ->
 
 
 # CPU set-up ----------------------------------------------------------------------
-
-
-@contextmanager
-def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
 
 
 @contextmanager

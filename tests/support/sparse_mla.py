@@ -2,33 +2,29 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """DeepSeek-V3.2's sparse MLA (DSA) over D simulated DCP ranks, on CPU or a GPU.
 
-What it offers:
+What ``ranks`` shares with these simulated ranks lives in the tooling:
+the float64 references, the selection helpers, the indexer op's stand-in and
+the specs in ``vllm_dcp_geometry.tooling.sparse_rank_run``; the CuteDSL
+selector's stand-in (``stable_topk_stand_in``, ``cutedsl_merge_stand_ins``)
+and the Triton sparse impl (``triton_sparse_impl_class``, ``sparse_attention``:
+vLLM's Triton sparse MLA kernel, with its output store kept in the output's
+dtype by default, generated at run time into a temporary directory) in
+``vllm_dcp_geometry.tooling.cpu_stand_ins``. What this module adds:
 
-- the top-k **selection**: a float64 single-device reference
-  (``reference_topk``, ties to the smaller id), each rank's indexer logits
-  over the positions its shard stores (``shard_logits``, from the contract's
-  rule L1), a torch stand-in for vLLM's CuteDSL stable top-k selector with
-  its exact key contract (``stable_topk_stand_in``), the few stand-ins vLLM's
-  real top-k merge ``_merge_dcp_topk_global`` needs on CPU
+- the top-k **selection** over simulated ranks: the stand-ins vLLM's real
+  top-k merge ``_merge_dcp_topk_global`` needs in one process
   (``merge_stand_ins``: the D-rank all-gather over ``CooperativeRanks``, the
   selector, its CUDA-only input check) and ``select_on_ranks``, one merged
   selection per rank as DeepSeek-V3.2's indexer call makes it;
-- the sparse **attention**: vLLM's Triton sparse MLA kernel with its output
-  store kept in the output's dtype (``sparse_attention``: generated at run
-  time from the installed source into a temporary directory, only that store
-  changed), a float64 reference (``reference_attention``), shells of
-  vLLM's ``DeepseekV32Attention`` and ``DeepseekV32IndexerCache`` with a
-  ``SparseMLACommonImpl`` whose kernel hook is that Triton kernel
-  (``TritonSparseMLAImpl``: the top-k filter and conversion are upstream's
-  ``forward_mqa``), bound by the library's own ``bind_group_layers``, and
-  ``run_sparse_case``: one (D, K, I) forward over the ranks through the
-  DeepSeek-V3.2 indexer call wrapper, vLLM's merge, the bound impl and the
-  layer's real ``MLADCPManager`` (query all-gather, replica-masked combine),
-  against the same kernel on one device and the float64 reference;
-- the **builders**' set-up: a DeepSeek-V3.2 config directory (no weights)
-  and a real ``VllmConfig`` of it (``dsv32_model_dir``, ``dsv32_config``),
-  the indexer and ``fp8_ds_mla`` latent specs with K (``indexer_spec``,
-  ``latent_spec``), one rank's process groups (``rank_process``), its layers
+- the sparse **attention**: shells of vLLM's ``DeepseekV32Attention`` and
+  ``DeepseekV32IndexerCache`` with the Triton sparse impl, bound by the
+  library's own ``bind_group_layers``, and ``run_sparse_case``: one (D, K, I)
+  forward over the ranks through the DeepSeek-V3.2 indexer call wrapper,
+  vLLM's merge, the bound impl and the layer's real ``MLADCPManager`` (query
+  all-gather, replica-masked combine), against the same kernel on one device
+  and the float64 reference;
+- the **builders**' set-up: a real ``VllmConfig`` of a tiny DeepSeek-V3.2
+  (``dsv32_config``), one rank's process groups (``rank_process``), its layers
   in the forward context (``install_sparse_layers``) and a group's builder as
   the worker makes it (``build_group_builder``).
 
@@ -40,10 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
-import inspect
 import math
-import tempfile
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -64,20 +57,28 @@ from tests.support.mla import (
     replica_groups_of,
 )
 from tests.support.vllm_configs import make_vllm_config
-from vllm_dcp_geometry.contract import (
-    GroupGeometry,
-    cdiv,
-    local_seq_len,
-    reference_slot_mapping,
-)
+from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
 from vllm_dcp_geometry.contract.collectives import REPLICA
 from vllm_dcp_geometry.contract.overrides import partial_collectives
-from vllm_dcp_geometry.tooling.mla_rank_run import write_deepseek_config
+from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+    cutedsl_merge_stand_ins,
+    sparse_attention,
+    triton_sparse_impl_class,
+)
+from vllm_dcp_geometry.tooling.sparse_rank_run import (
+    LATENT_DIM,
+    VALUE_DIM,
+    IndexerCall,
+    has_repeated_ids,
+    indexer_op_stand_in,
+    reference_attention,
+    reference_topk,
+    selection_sets,
+    shard_logits,
+    tied_scores,
+    write_dsv32_config,
+)
 
-LATENT_DIM = 576
-"""``kv_lora_rank + rope``: the one head size of the sparse kernels."""
-VALUE_DIM = 512
-ROPE_DIM = 64
 SCALE = LATENT_DIM**-0.5
 PREFIX = "model.layers.0.self_attn"
 LATENT_LAYER = f"{PREFIX}.attn"
@@ -87,117 +88,7 @@ INDEXER_LAYER = f"{PREFIX}.indexer.k_cache"
 FP32_TOLERANCE = 1e-5
 
 
-# Geometry -----------------------------------------------------------------------
-
-
-def shard_positions(
-    length: int, block_size: int, shard_count: int, interleave: int, shard: int
-) -> torch.Tensor:
-    """The positions ``< length`` that ``shard`` stores, in its local order
-    (rule L1 over an identity block table: the slot is the local index)."""
-    columns = max(cdiv(length, block_size * shard_count), 1)
-    slots = reference_slot_mapping(
-        range(length),
-        range(columns),
-        block_size=block_size,
-        shard_count=shard_count,
-        interleave_size=interleave,
-        shard=shard,
-    )
-    slots_t = torch.as_tensor(slots)
-    owned = torch.nonzero(slots_t >= 0).flatten()
-    order = torch.argsort(slots_t[owned])
-    assert torch.equal(slots_t[owned][order], torch.arange(owned.numel()))
-    return owned[order]
-
-
 # Selection ----------------------------------------------------------------------
-
-
-def reference_topk(
-    scores: torch.Tensor, lengths: torch.Tensor, topk: int
-) -> torch.Tensor:
-    """Float64 top-k of each row's first ``lengths[t]`` scores, ties to the
-    smaller index, ``-1`` padding: ``[rows, topk]`` int32 (on ``scores``'s
-    device)."""
-    rows, width = scores.shape
-    values = scores.detach().double().cpu()
-    lengths_cpu = lengths.detach().cpu().long()
-    columns = torch.arange(width)
-    values = torch.where(columns[None, :] < lengths_cpu[:, None], values, float("-inf"))
-    # A stable sort keeps equal scores in index order: ties to the smaller id.
-    order = torch.sort(-values, dim=1, stable=True).indices
-    out = torch.full((rows, topk), -1, dtype=torch.int64)
-    take = min(topk, width)
-    out[:, :take] = order[:, :take]
-    valid = torch.arange(topk)[None, :] < lengths_cpu.clamp(max=topk)[:, None]
-    out = torch.where(valid, out, -1)
-    return out.to(torch.int32).to(scores.device).contiguous()
-
-
-def selection_sets(selection: torch.Tensor) -> list[list[int]]:
-    """Each row's selected ids, sorted, padding dropped (the real selector's
-    output order is unspecified)."""
-    return [sorted(x for x in row if x >= 0) for row in selection.tolist()]
-
-
-def has_repeated_ids(selection: torch.Tensor) -> bool:
-    """Whether any row selects the same id twice."""
-    for row in selection.tolist():
-        ids = [x for x in row if x >= 0]
-        if len(ids) != len(set(ids)):
-            return True
-    return False
-
-
-def tied_scores(rows: int, width: int, seed: int) -> torch.Tensor:
-    """Coarse random scores (many ties). ``+ 0.0`` turns -0.0 into +0.0: the
-    selector's key orders -0.0 below +0.0, a float comparison does not."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, width, generator=gen) * 2).round() / 2 + 0.0
-
-
-def stable_keys(gathered: torch.Tensor) -> torch.Tensor:
-    """vLLM's CuteDSL selector key of every ``(score, id)`` candidate, minus
-    2**63 so that it orders as int64: ``(bits ^ (sign ? 0xFFFFFFFF :
-    0x80000000)) << 32 | ~uint32(id)``, and 0 for ``id < 0``."""
-    score = gathered[..., 0].contiguous()
-    ids = gathered[..., 1].to(torch.int64)  # exact: ids < 2**24 travel in fp32
-    bits = score.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    negative = (bits & 0x80000000) != 0
-    score_key = torch.where(negative, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
-    id_key = (~ids) & 0xFFFFFFFF
-    key = ((score_key - 2**31) << 32) | id_key
-    return torch.where(ids < 0, torch.full_like(key, -(2**63)), key)
-
-
-def stable_topk_stand_in(
-    gathered: torch.Tensor, topk: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Stand-in for ``stable_topk_from_gathered_candidates_cutedsl`` (CUDA
-    only) with its contract: per row the ``topk`` largest keys
-    (``stable_keys``), written as ``int32(~low32(key))`` (key 0 gives -1).
-    The real kernel writes them in an unspecified order; this one in key
-    order."""
-    assert gathered.dim() == 3 and gathered.shape[2] == 2
-    assert gathered.dtype == torch.float32
-    top = stable_keys(gathered).topk(topk, dim=1, sorted=True).values
-    low = (top + 2**63) & 0xFFFFFFFF
-    ids = (~low) & 0xFFFFFFFF
-    ids = torch.where(ids >= 2**31, ids - 2**32, ids).to(torch.int32)
-    if out is None:
-        return ids
-    out.copy_(ids)
-    return out
-
-
-def check_merge_inputs(
-    logits: torch.Tensor, topk_indices: torch.Tensor, k: int
-) -> None:
-    """The device-independent half of vLLM's ``_assert_cutedsl_dcp_merge_supported``
-    (CUDA, CuteDSL and ``k`` in {512, 1024, 2048} aside)."""
-    if logits.dtype != torch.float32 or topk_indices.dtype != torch.int32:
-        raise RuntimeError("the DCP top-k merge takes fp32 logits, int32 indices")
 
 
 @dataclass
@@ -242,51 +133,13 @@ def merge_stand_ins(
             )
         )
         if stand_in_selector:
-            from vllm.model_executor.kernels.attention.dsa import (
-                dcp_indexer_cutedsl as cutedsl,
-            )
 
-            def selector(gathered: Any, topk: int, out: Any = None) -> Any:
+            def selected(gathered: Any) -> None:
                 calls.selector_calls.append(coop.local.rank)
                 calls.gathered_widths.append(int(gathered.shape[1]))
-                return stable_topk_stand_in(gathered, topk, out=out)
 
-            stack.enter_context(
-                replaced(
-                    cutedsl, "stable_topk_from_gathered_candidates_cutedsl", selector
-                )
-            )
-            stack.enter_context(
-                replaced(sai, "_assert_cutedsl_dcp_merge_supported", check_merge_inputs)
-            )
+            stack.enter_context(cutedsl_merge_stand_ins(selected))
         yield calls
-
-
-def shard_logits(
-    scores: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    block_size: int,
-    shard_count: int,
-    interleave: int,
-    shard: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One shard's indexer logits ``[rows, local positions]`` in local order
-    (``-inf`` past each row's local length) and the local lengths: what the
-    indexer scores on a rank holding ``shard`` of a K-shard indexer cache."""
-    width = scores.shape[1]
-    positions = shard_positions(width, block_size, shard_count, interleave, shard)
-    logits = scores[:, positions.to(scores.device)].float().clone()
-    local = torch.tensor(
-        [
-            local_seq_len(int(n), block_size, shard_count, interleave, shard)
-            for n in lengths.tolist()
-        ],
-        dtype=torch.int32,
-    )
-    beyond = torch.arange(positions.numel())[None, :] >= local[:, None]
-    logits[beyond.to(logits.device)] = float("-inf")
-    return logits.contiguous(), local.to(scores.device)
 
 
 def indexer_geometry(dcp: int, shard_count: int, rank: int, interleave: int) -> Any:
@@ -444,80 +297,6 @@ def replica_selection_report(dcp: int, shard_count: int, interleave: int) -> dic
 
 # The sparse kernel --------------------------------------------------------------
 
-STORE = "acc.to(tl.bfloat16)"
-"""The output store of vLLM's Triton sparse MLA kernel (rounds to bf16)."""
-FP32_STORE = "acc.to(out_ptr.dtype.element_ty)"
-
-
-@functools.cache
-def fp32_store_kernel_module() -> types.ModuleType:
-    """vLLM's ``xpu_mla_sparse`` ops module regenerated from the installed
-    source with one change, the output store keeping the output buffer's
-    dtype (``STORE`` -> ``FP32_STORE``). Written to a temporary directory
-    (Triton reads kernel sources from a file), never into the repository."""
-    import vllm.v1.attention.ops.xpu_mla_sparse as upstream
-
-    source = inspect.getsource(upstream)
-    assert source.count(STORE) == 1, "vLLM's sparse MLA kernel store changed"
-    path = Path(tempfile.mkdtemp(prefix="vllm_dcp_geometry_sparse_")) / (
-        "fp32_store_mla_sparse.py"
-    )
-    path.write_text(source.replace(STORE, FP32_STORE))
-    spec = importlib.util.spec_from_file_location("fp32_store_mla_sparse", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def sparse_attention(
-    q: torch.Tensor,
-    kv_rows: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    *,
-    fp32_store: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``triton_bf16_mla_sparse_interface`` (``q [T, H, 576]``,
-    ``kv_rows [N, 576]``, ``indices [T, topk]``; ``-1`` and ``>= N`` read
-    nothing): output ``[T, H, 512]`` and natural-log LSE ``[T, H]``. With
-    ``fp32_store`` the output is stored in ``q``'s dtype
-    (``fp32_store_kernel_module``), else as shipped (bf16-rounded)."""
-    if fp32_store:
-        interface = fp32_store_kernel_module().triton_bf16_mla_sparse_interface
-    else:
-        import vllm.v1.attention.ops.xpu_mla_sparse as upstream
-
-        interface = upstream.triton_bf16_mla_sparse_interface
-    out, _, lse = interface(
-        q.contiguous(),
-        kv_rows.reshape(-1, 1, kv_rows.shape[-1]),
-        indices.reshape(indices.shape[0], 1, -1).contiguous(),
-        scale,
-    )
-    return out, lse
-
-
-def reference_attention(
-    q: torch.Tensor,
-    latents: list[torch.Tensor],
-    requests: list[int],
-    selection: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 sparse MLA: token ``t`` of request ``requests[t]`` attends to
-    the latent rows its ``selection`` names (request positions, ``-1``
-    padding); output ``[T, H, 512]`` and LSE ``[T, H]``."""
-    outs, lses = [], []
-    for t, request in enumerate(requests):
-        ids = selection[t][selection[t] >= 0].long().cpu()
-        kv = latents[request][ids].double().cpu()
-        logits = torch.einsum("hd,kd->hk", q[t].double().cpu(), kv) * scale
-        outs.append(logits.softmax(-1) @ kv[:, :VALUE_DIM])
-        lses.append(logits.logsumexp(-1))
-    return torch.stack(outs), torch.stack(lses)
-
-
 # Layers -------------------------------------------------------------------------
 
 
@@ -532,57 +311,13 @@ def layer_shell(cls: type) -> Any:
     return layer
 
 
-def triton_sparse_impl_class() -> type:
-    """``TritonSparseMLAImpl``: vLLM's ``SparseMLACommonImpl`` with its kernel
-    hook ``_forward_mqa_kernel`` running the Triton sparse kernel
-    (``sparse_attention``). Everything before the hook - the top-k filter to
-    the rank's shard (``triton_filter_and_convert_dcp_index`` with the impl's
-    own ``dcp_world_size`` / ``dcp_rank``) or, at world 1, the plain
-    conversion - is upstream's ``forward_mqa``."""
-    from vllm.model_executor.layers.attention.sparse_mla_attention import (
-        SparseMLACommonImpl,
-    )
-    from vllm.v1.attention.backends.mla.sparse_utils import flat_kv_row_view
-
-    class TritonSparseMLAImpl(SparseMLACommonImpl):  # type: ignore[type-arg]
-        can_return_lse_for_decode = True
-        # Convert per layer at world 1 (no index group here).
-        group_conversion_decode_only = True
-        kernel_lse: torch.Tensor | None = None
-
-        def _forward_mqa_kernel(
-            self,
-            q: Any,
-            kv_cache: torch.Tensor,
-            topk_indices: torch.Tensor,
-            valid_counts: torch.Tensor,
-            *,
-            layer: Any,
-            block_size: int,
-            is_decode: bool,
-        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            if isinstance(q, tuple):
-                q = torch.cat(q, dim=-1)
-            rows, _ = flat_kv_row_view(kv_cache, block_size)
-            out, lse = sparse_attention(q, rows, topk_indices, self.softmax_scale)
-            self.kernel_lse = lse
-            return out, lse if self.need_to_return_lse_for_decode else None
-
-    return TritonSparseMLAImpl
-
-
-@functools.cache
-def _impl_class() -> type:
-    return triton_sparse_impl_class()
-
-
 def make_impl(num_heads: int, topk_buffer: torch.Tensor) -> Any:
     """A ``TritonSparseMLAImpl`` as vLLM makes every impl: ``__new__`` takes
     the DCP world and rank from the current config and DCP group."""
-    cls = _impl_class()
+    cls = triton_sparse_impl_class()
     impl = cls.__new__(cls)
     impl.num_heads = num_heads
-    impl.softmax_scale = SCALE
+    impl.scale = SCALE
     impl.init_topk_indices_buffer(None, topk_buffer)
     impl.index_group = None
     impl.index_group_index = 0
@@ -655,30 +390,9 @@ class PerRankLayers(Mapping[str, Any]):
         return len(self._mine())
 
 
-def dsv32_model_dir(
-    num_heads: int, index_topk: int = 64, max_position_embeddings: int = 4096
-) -> Path:
-    """A DeepSeek-V3.2 config directory (no weights): one layer, DeepSeek's
-    latent sizes (512 + 64), ``num_heads`` query heads."""
-    return write_deepseek_config(
-        num_heads,
-        kv_lora_rank=VALUE_DIM,
-        nope_dim=128,
-        rope_dim=ROPE_DIM,
-        v_head_dim=128,
-        dtype="bfloat16",
-        max_position_embeddings=max_position_embeddings,
-        q_lora_rank=64,
-        architecture="DeepseekV32ForCausalLM",
-        model_type="deepseek_v32",
-        extra={"index_topk": index_topk, "index_n_heads": 4, "index_head_dim": 128},
-        prefix="vllm_dcp_geometry_dsv32_",
-    )
-
-
 @functools.cache
 def _cached_model_dir(num_heads: int, index_topk: int) -> Path:
-    return dsv32_model_dir(num_heads, index_topk)
+    return write_dsv32_config(num_heads, index_topk=index_topk)
 
 
 def dsv32_config(
@@ -707,42 +421,6 @@ def dsv32_config(
 
 
 # Builders -----------------------------------------------------------------------
-
-
-def indexer_spec(block_size: int, shard_count: int | None) -> Any:
-    """The indexer cache's spec as ``DeepseekV32IndexerCache.get_kv_cache_spec``
-    builds it (128 fp8 values and one fp32 scale per token), with K where
-    given (the plugin's spec field)."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
-
-    extra = {} if shard_count is None else {"dcp_kv_shard_count": shard_count}
-    return MLAAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=128 + 128 // 128 * 4,
-        dtype=torch.uint8,
-        cache_role=SparseCacheRole.INDEXER,
-        **extra,
-    )
-
-
-def latent_spec(block_size: int, shard_count: int | None) -> Any:
-    """The sparse latent cache's spec in vLLM's ``fp8_ds_mla`` format (656
-    bytes per token), with K where given."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    extra = {} if shard_count is None else {"dcp_kv_shard_count": shard_count}
-    return MLAAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=LATENT_DIM,
-        dtype=torch.uint8,
-        cache_dtype_str="fp8_ds_mla",
-        state_content_bytes=656,
-        **extra,
-    )
 
 
 @contextlib.contextmanager
@@ -945,59 +623,6 @@ class SparseRank:
     cache: torch.Tensor
 
 
-@dataclass
-class IndexerCall:
-    """What the stand-in of vLLM's indexer op was called with."""
-
-    dcp_rank: int
-    dcp_world_size: int
-    interleave: int
-    indexer_geometry: Any
-
-
-def indexer_op_stand_in(records: dict[int, IndexerCall], coop: CooperativeRanks):
-    """Stand-in for vLLM's ``sparse_attn_indexer`` op (DeepGEMM logits and
-    top-k are CUDA-only), bound to its real signature: ``hidden_states``
-    carries this rank's indexer logits over its local positions (``-inf``
-    past the local length); it writes their local top-k into
-    ``topk_indices_buffer`` and merges it with vLLM's
-    ``_merge_dcp_topk_global`` and the DCP rank and world it was handed, as
-    the op does."""
-    import vllm.model_executor.layers.sparse_attn_indexer as sai
-
-    from vllm_dcp_geometry.runtime.group_context import current_indexer_geometry
-
-    signature = inspect.signature(sai.sparse_attn_indexer)
-
-    def sparse_attn_indexer(*args: Any, **kwargs: Any) -> torch.Tensor:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        logits = a["hidden_states"]
-        topk = a["topk_tokens"]
-        buffer = a["topk_indices_buffer"]
-        records[coop.local.rank] = IndexerCall(
-            a["dcp_rank"],
-            a["dcp_world_size"],
-            a["cp_kv_cache_interleave_size"],
-            current_indexer_geometry(),
-        )
-        local = torch.isfinite(logits).sum(dim=1)
-        rows = buffer[: logits.shape[0], :topk]
-        rows.copy_(reference_topk(logits, local, topk))
-        sai._merge_dcp_topk_global(
-            logits,
-            rows,
-            topk,
-            a["dcp_rank"],
-            a["dcp_world_size"],
-            a["cp_kv_cache_interleave_size"],
-        )
-        return buffer
-
-    return sparse_attn_indexer
-
-
 def indexer_call_arguments(
     logits: torch.Tensor,
     topk_buffer: torch.Tensor,
@@ -1161,7 +786,7 @@ def run_sparse_case(
     groups = [SimulatedGroup(coop, dcp, r) for r in range(dcp)]
     calls: dict[int, IndexerCall] = {}
     indexer_call = deepseek_v32_attention._make_sparse_attn_indexer(
-        indexer_op_stand_in(calls, coop)
+        indexer_op_stand_in(lambda call: calls.__setitem__(coop.local.rank, call))
     )
     h = shape.heads_per_rank
 

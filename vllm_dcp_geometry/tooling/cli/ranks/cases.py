@@ -35,7 +35,15 @@ from vllm_dcp_geometry.contract.collectives import (
     collective_world_size,
     mla_decode_step_bytes,
 )
-from vllm_dcp_geometry.contract.layer_classes import GENERIC_LAYERS, KIMI_K3_MLA
+from vllm_dcp_geometry.contract.layer_classes import (
+    DEEPSEEK_V32_ATTENTION,
+    DEEPSEEK_V32_INDEXER_CACHE,
+    GENERIC_LAYERS,
+    INDEXER_CACHE_SUFFIX,
+    KIMI_K3_MLA,
+    LATENT_CACHE_SUFFIX,
+    indexer_latent_name,
+)
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology
 
 BACKEND = "TRITON_MLA"
@@ -61,6 +69,17 @@ NOPE_DIM = 16
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """The cache dtypes a group runs in, and their element sizes."""
+
+SPARSE_BACKEND = "FLASHMLA_SPARSE"
+"""DeepSeek-V3.2's sparse latent groups' backend (vLLM 0.33.0's one sparse
+backend with DCP on SM90). Its builder runs on any device; on a CPU its
+impl's FlashMLA kernels are stood in for (``sparse_mla``)."""
+INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"
+"""The DSA indexer cache's backend (the layer fixes it)."""
+
+SPARSE_TOPKS = (512, 1024, 2048)
+"""The top-k widths vLLM 0.33.0's DCP top-k merge takes
+(``_assert_cutedsl_dcp_merge_supported``)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +262,154 @@ def group_shape(
     )
 
 
+# DeepSeek-V3.2's sparse layer ------------------------------------------------------
+
+SPARSE_LATENT_DIM = 576
+"""``kv_lora_rank + rope``: the one latent row the sparse kernels take."""
+SPARSE_NOPE_DIM = 128
+"""DeepSeek-V3.2's ``qk_nope_head_dim`` and ``v_head_dim`` (not in a
+topology: they size only ``kv_b_proj``, never a cache or a collective)."""
+
+
+@dataclass(frozen=True)
+class SparsePair:
+    """The two groups one DeepSeek-V3.2 layer reads (its latent and indexer
+    caches, of one K by rule A5) and the top-k its indexer selects."""
+
+    latent: CacheGroup
+    indexer: CacheGroup
+    topk: int
+
+
+def latent_indexer_name(name: str) -> str | None:
+    """The indexer cache's layer name for a sparse latent cache's (None:
+    ``name`` is not a latent cache's ``P.attn``)."""
+    if not name.endswith(LATENT_CACHE_SUFFIX):
+        return None
+    return name.removesuffix(LATENT_CACHE_SUFFIX) + INDEXER_CACHE_SUFFIX
+
+
+def sparse_pair(topology: Topology, group: CacheGroup) -> SparsePair | str:
+    """The latent and indexer groups of the DeepSeek-V3.2 layers ``group``
+    holds a cache of, and the top-k (``plan``'s ``indexer_topk``: the latent
+    caches' ``topk_buffer_width``), or why ``ranks`` cannot run them: its
+    layers' other caches are not exactly one group, or a top-k the DCP merge
+    does not take."""
+    from vllm_dcp_geometry.tooling.cli.plan.cost import indexer_topk
+
+    indexer = group.spec_fields.get("cache_role") == "indexer"
+    partner_of = indexer_latent_name if indexer else latent_indexer_name
+    wanted = {partner_of(layer) for layer in group.layers}
+    other = "latent" if indexer else "indexer"
+    holders = [g for g in topology.groups if wanted & set(g.layers)]
+    if None in wanted or len(holders) != 1 or set(holders[0].layers) != wanted:
+        return (
+            f"not run: its layers' {other} caches are not one group of the "
+            "topology (ranks runs each DeepSeek-V3.2 layer with both caches)"
+        )
+    # One K for both (rule A5): a topology refuses a layer whose caches differ.
+    latent, index = (holders[0], group) if indexer else (group, holders[0])
+    topk = indexer_topk(index, topology)
+    if isinstance(topk, str):
+        return f"not run: {topk}"
+    if topk not in SPARSE_TOPKS:
+        return (
+            f"not run: top-k {topk} (vLLM's DCP top-k merge takes "
+            f"{', '.join(map(str, SPARSE_TOPKS))})"
+        )
+    return SparsePair(latent, index, topk)
+
+
+def sparse_decode_requests(
+    block_size: int, shard_count: int, topk: int
+) -> list[tuple[int, int]]:
+    """One sparse decode step, ``(context, 1)`` per request: a context
+    longer than the top-k by two rounds over the K shards and a partial
+    block (the selection selects), one of exactly top-k + 1 positions (it
+    drops one), one round (it keeps all) and one so short that some shards
+    hold nothing."""
+    round_ = block_size * shard_count
+    return [
+        (topk + 2 * round_ + block_size // 2 + 2, 1),
+        (topk, 1),
+        (round_, 1),
+        (2, 1),
+    ]
+
+
+def sparse_model_len(block_size: int, shard_count: int, topk: int) -> int:
+    """``max_model_len`` of a sparse run: its longest request, rounded up to
+    a multiple of 64."""
+    longest = max(
+        c + n for c, n in sparse_decode_requests(block_size, shard_count, topk)
+    )
+    return cdiv(longest, 64) * 64
+
+
+def sparse_shape(
+    topology: Topology,
+    group: CacheGroup,
+    scale: int,
+    backend: str = SPARSE_BACKEND,
+    dtype: str | None = None,
+) -> tuple[Shape, SparsePair] | str:
+    """The shapes a DeepSeek-V3.2 layer runs at for either of its groups
+    (its latent group's: query heads per rank divided by ``scale``, L + R,
+    the model's ``activation_dtype`` the queries and outputs are in; the
+    cache's own format is ``fp8_ds_mla``), with its pair, or why not."""
+    pair = sparse_pair(topology, group)
+    if isinstance(pair, str):
+        return pair
+    latent = pair.latent
+    heads = topology.heads_per_rank(latent)
+    if heads is None or latent.kv_lora_rank is None or latent.rope_dim is None:
+        return (
+            f"not run: the topology gives no query_heads or kv_lora_rank for the "
+            f"latent group {latent.name!r} (ranks runs each group at its own shapes)"
+        )
+    if latent.kv_lora_rank + latent.rope_dim != SPARSE_LATENT_DIM:
+        return (
+            f"not run: latent rows of {latent.kv_lora_rank + latent.rope_dim} "
+            f"(the sparse kernels take {SPARSE_LATENT_DIM})"
+        )
+    run_dtype = dtype or latent.activation_dtype
+    if run_dtype not in DTYPE_BYTES:
+        return (
+            f"not run: the topology gives no activation_dtype for "
+            f"{latent.name!r} (the model's dtype, which the queries and outputs "
+            f"are in; ranks runs {', '.join(DTYPE_BYTES)})"
+        )
+    k = latent.shard_count(topology.decode_context_parallel_size)
+    shape = Shape(
+        heads_per_rank=scaled_heads(heads, scale),
+        kv_lora_rank=latent.kv_lora_rank,
+        rope_dim=latent.rope_dim,
+        dtype=run_dtype,
+        max_model_len=sparse_model_len(latent.block_size, k, pair.topk),
+        nope_dim=SPARSE_NOPE_DIM,
+        v_head_dim=SPARSE_NOPE_DIM,
+        backend=backend,
+    )
+    return shape, pair
+
+
+def run_shape(
+    topology: Topology,
+    group: CacheGroup,
+    scale: int,
+    backend: str = BACKEND,
+    dtype: str | None = None,
+) -> tuple[Shape, SparsePair | None] | str:
+    """The shapes ``group`` runs at by its runner (``sparse_shape`` for
+    DeepSeek-V3.2's groups, with their pair; else ``group_shape``), or why
+    not."""
+    runner = layer_runner(group)
+    if runner is not None and runner.name in SPARSE_RUNNERS:
+        return sparse_shape(topology, group, scale, backend, dtype)
+    found = group_shape(topology, group, scale, backend, dtype)
+    return found if isinstance(found, str) else (found, None)
+
+
 CUDA_BACKENDS = {
     "full_attention": "FlashAttention/FlashInfer",
     "sliding_window": "FlashAttention/FlashInfer",
@@ -264,6 +431,9 @@ class LayerRunner:
     """The backend the runner runs without a GPU (Triton kernels, interpreted)."""
     cuda_backends: tuple[str, ...] = CUDA_MLA_BACKENDS
     """The compiled backends it runs on a GPU."""
+    fixed_backend: bool = False
+    """The layer fixes its backend (``--attention-backend`` does not reach
+    it): ``cpu_backend``, on any device."""
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -297,6 +467,27 @@ LAYOUT_ONLY_SPEC_FIELDS = frozenset(
 """Spec fields every runner takes as they are: the shapes and K it runs at,
 and how pages are laid out in memory (not how a position is attended)."""
 
+SPARSE_RUNNER = "vllm_dcp_geometry.tooling.cli.ranks.sparse_mla"
+
+SPARSE_LATENT_SPEC_VALUES: dict[str, tuple[Any, ...]] = {
+    "cache_role": ("sparse",),
+    "cache_dtype_str": ("fp8_ds_mla",),
+    "kv_quant_mode": ("FP8_PER_TENSOR",),
+    "state_content_bytes": (656,),
+    "non_causal_multi_token_decode": (False,),
+    "is_index_group_leader": (True,),
+    "topk_buffer_width": SPARSE_TOPKS,
+}
+"""A DeepSeek-V3.2 sparse latent cache as ``ranks`` runs it: FlashMLA's
+656-byte ``fp8_ds_mla`` format (vLLM 0.33.0 refuses the bfloat16 sparse path
+under DCP), its layer leading its index group with a top-k buffer the DCP
+merge takes."""
+
+INDEXER_SPEC_VALUES: dict[str, tuple[Any, ...]] = {
+    "cache_role": ("indexer",),
+    "non_causal_multi_token_decode": (False,),
+}
+
 RUNNERS: dict[str | None, LayerRunner] = {
     None: LayerRunner(
         "mla", "vllm_dcp_geometry.tooling.cli.ranks.group", DENSE_SPEC_VALUES
@@ -306,11 +497,30 @@ RUNNERS: dict[str | None, LayerRunner] = {
         "vllm_dcp_geometry.tooling.cli.ranks.kimi_k3",
         {**DENSE_SPEC_VALUES, "non_causal_multi_token_decode": (False, True)},
     ),
+    # One DeepSeek-V3.2 layer reads both groups: the runner runs them together.
+    DEEPSEEK_V32_ATTENTION: LayerRunner(
+        "sparse_mla",
+        SPARSE_RUNNER,
+        SPARSE_LATENT_SPEC_VALUES,
+        cpu_backend=SPARSE_BACKEND,
+        cuda_backends=(),
+    ),
+    DEEPSEEK_V32_INDEXER_CACHE: LayerRunner(
+        "sparse_indexer",
+        SPARSE_RUNNER,
+        INDEXER_SPEC_VALUES,
+        cpu_backend=INDEXER_BACKEND,
+        cuda_backends=(),
+        fixed_backend=True,
+    ),
 }
 """The layer classes ``ranks`` builds (None: a topology naming no class, vLLM's
 generic ``MLAAttention``), by the class a group's layers are."""
 
 RUNNERS_BY_NAME = {runner.name: runner for runner in RUNNERS.values()}
+
+SPARSE_RUNNERS = frozenset({"sparse_mla", "sparse_indexer"})
+"""The runners of DeepSeek-V3.2's two groups (one layer, run together)."""
 
 
 def layer_runner(group: CacheGroup) -> LayerRunner | None:
@@ -394,10 +604,12 @@ def group_backend(group: CacheGroup, dcp: int, *, gpu: bool, named: str) -> str:
     """The backend a group runs on: ``named`` (``--attention-backend``), or
     for ``auto`` its runner's CPU backend on a CPU and on a GPU the backend
     vLLM 0.33.0 selects for the group on SM90 (``plan``'s)."""
+    runner = layer_runner(group)
+    if runner is not None and runner.fixed_backend:
+        return runner.cpu_backend
     if named != "auto":
         return named
     if not gpu:
-        runner = layer_runner(group)
         return BACKEND if runner is None else runner.cpu_backend
     from vllm_dcp_geometry.tooling.cli.plan.attention import (
         default_attention_backend,
@@ -457,10 +669,13 @@ def plan_groups(
         )
         if reason is None and run_on is not None:
             reason = backend_refused(group, run_on, dcp, gpu=gpu)
-        shape = None
+        shape, pair = None, None
         if reason is None:
-            found = group_shape(topology, group, scale, run_on or BACKEND, dtype)
-            shape, reason = (None, found) if isinstance(found, str) else (found, None)
+            found = run_shape(topology, group, scale, run_on or BACKEND, dtype)
+            if isinstance(found, str):
+                reason = found
+            else:
+                shape, pair = found
         world = (
             None
             if k is None
@@ -493,6 +708,11 @@ def plan_groups(
                 if group.kind == "mla"
                 else None,
                 "shape": None if shape is None else shape.to_dict(),
+                # A DeepSeek-V3.2 layer's two groups, run together (None: a
+                # group of another class).
+                "sparse_latent": None if pair is None else pair.latent.name,
+                "sparse_indexer": None if pair is None else pair.indexer.name,
+                "indexer_topk": None if pair is None else pair.topk,
                 "run": reason is None,
                 "reason": reason,
             }

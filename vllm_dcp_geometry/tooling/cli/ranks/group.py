@@ -22,7 +22,7 @@ are imported inside the functions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
@@ -84,10 +84,22 @@ class PlannedGroup:
     non_causal: bool
     """The layer decodes a multi-token block non-causally (a DSpark draft)."""
     shape: Shape
+    sparse_latent: str | None = None
+    """A DeepSeek-V3.2 layer's latent cache group (both its groups run
+    together, ``sparse_mla``); None for other layer classes."""
+    sparse_indexer: str | None = None
+    """That layer's indexer cache group."""
+    indexer_topk: int | None = None
+    """The top-k its indexer selects."""
 
     @classmethod
     def from_plan(cls, entry: dict[str, Any]) -> PlannedGroup:
-        values = {f.name: entry[f.name] for f in fields(cls)}
+        # Fields with a default may be absent (a plan written before them).
+        values = {
+            f.name: entry[f.name]
+            for f in fields(cls)
+            if f.name in entry or f.default is MISSING
+        }
         return cls(**{**values, "shape": Shape(**entry["shape"])})
 
 

@@ -45,6 +45,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.group import (
 )
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import record_context_lse_in
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import LAYER, run_backend
+from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced
 
 KIMI_MLA = "vllm.models.kimi_k3.nvidia.mla"
 CPU_SDPA = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
@@ -76,16 +77,6 @@ forward it drives, the two selectors its constructor asks (answered with the
 run's backends) and the CPU prefill backend's ``supports_out``."""
 
 
-@contextlib.contextmanager
-def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
-
-
 def build_kimi_layer(
     config: Any,
     weight: Any,
@@ -111,11 +102,11 @@ def build_kimi_layer(
     dtype = getattr(torch, shape.dtype)
     with contextlib.ExitStack() as stack:
         stack.enter_context(
-            _replaced(kimi_mla, "get_attn_backend", lambda *a, **k: backend)
+            replaced(kimi_mla, "get_attn_backend", lambda *a, **k: backend)
         )
         if prefill is not None:
             stack.enter_context(
-                _replaced(kimi_mla, "get_mla_prefill_backend", lambda *a: prefill)
+                replaced(kimi_mla, "get_mla_prefill_backend", lambda *a: prefill)
             )
         stack.enter_context(set_current_vllm_config(config))
         stack.enter_context(set_default_torch_dtype(dtype))
@@ -155,7 +146,7 @@ def _cpu_stand_ins(device: str) -> Iterator[None]:
 
     with (
         kimi_k3_fused_op_stand_ins(),
-        _replaced(CPUSDPAMLAPrefillBackend, "supports_out", lambda self: False),
+        replaced(CPUSDPAMLAPrefillBackend, "supports_out", lambda self: False),
     ):
         yield
 

@@ -39,6 +39,13 @@ def _result(g: dict[str, Any]) -> str:
     if g.get("crashed"):
         return "CRASHED: " + "; ".join(g["crashed"])
     status = "ok" if g["numerics_ok"] else "WRONG"
+    if g.get("selection_ok") is False:
+        # A DeepSeek-V3.2 layer: some rank's merged top-k is not the float64 one.
+        status += ", selection not the float64 top-k"
+        if g.get("selection_repeats"):
+            status += " (ids selected twice)"
+    if g.get("local_lengths_ok") is False:
+        status += ", indexer local lengths not the contract's"
     if not g.get("graph_ok", True):
         status += ", CUDA-graph replay WRONG"
     if not g["layer_class_matches"]:
@@ -186,6 +193,15 @@ def format_report(report: dict[str, Any]) -> str:
         f"which must equal the formula's on {procs['backend']}",
         f"  step ms: {report['step_time']}",
     ]
+    if any(g.get("decode_collectives") for g in report["groups"]):
+        lines.append(
+            "  DeepSeek-V3.2 layers (a latent and an indexer group each): one "
+            "decode step of the layer's _sparse_indexer_and_attn, both groups "
+            "together; every rank's merged top-k against the float64 top-k "
+            "(ties to the smaller id); the latent row's bytes are the query "
+            "all-gather and combine, the indexer row's the top-k merge (its "
+            "step ms: the indexer call)"
+        )
     if report.get("partial_collectives"):
         where = (
             "within their K-rank replica groups (K = "

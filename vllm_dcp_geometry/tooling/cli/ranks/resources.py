@@ -5,7 +5,8 @@
 ``check_memory`` refuses, before any worker starts, a run whose D workers
 would not fit in the memory this machine has available: D x (vLLM and
 torch's ``WORKER_PEAK_RSS_BYTES`` plus the largest group's tensors at its
-shapes, ``group_bytes``) against ``available_memory_bytes``. A run that does
+shapes, ``group_bytes``; a DeepSeek-V3.2 layer's ``sparse_group_bytes``)
+against ``available_memory_bytes``. A run that does
 not fit would otherwise be stopped by the kernel's out-of-memory killer
 half-way through spawning; the refusal names the ``--scale`` that fits, if
 one does. ``how_it_died`` words a worker's exit status.
@@ -22,9 +23,11 @@ from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.tooling.cli.common.status import CliError
 from vllm_dcp_geometry.tooling.cli.ranks.cases import (
     Shape,
+    SparsePair,
     decode_requests,
-    group_shape,
     prefill_requests,
+    run_shape,
+    sparse_decode_requests,
 )
 from vllm_dcp_geometry.tooling.mla_rank_run import REFERENCE_HEAD_CHUNK
 from vllm_dcp_geometry.tooling.topology import Topology
@@ -103,6 +106,38 @@ def group_bytes(shape: Shape, world: int, block_size: int, shard_count: int) -> 
     return TRANSIENT_COPIES * (weight + cache + workspace + inputs + reference)
 
 
+def sparse_group_bytes(
+    shape: Shape, world: int, block_size: int, shard_count: int, topk: int
+) -> int:
+    """The bytes one worker allocates for a DeepSeek-V3.2 layer (both of its
+    groups, run together) at ``shape``, counted as ``group_bytes`` counts:
+    the ``kv_b_proj`` weights, the paged latent cache, the sparse builder's
+    chunked-prefill workspace (vLLM sizes it to at most ``max_num_seqs``
+    top-k rows; up to twice under DCP), the float64 latent rows (and their
+    fp8_ds_mla copy) and queries, and the reference's selected rows of one
+    token, then times ``TRANSIENT_COPIES``."""
+    e, h = shape.dtype_bytes, shape.heads_per_rank
+    heads = world * h
+    row = shape.kv_lora_rank + shape.rope_dim
+    up = shape.nope_dim + shape.v_head_dim
+    weight = (heads * 8 + 2 * h * e) * up * shape.kv_lora_rank
+    requests = sparse_decode_requests(block_size, shard_count, topk)
+    width = cdiv(shape.max_model_len, block_size * shard_count)
+    cache = (width * len(requests) + 1) * block_size * row * e
+    workspace_rows = min(
+        max(8 * shape.max_model_len, 4 * shape.max_num_seqs * block_size),
+        64 * 1024,
+        shape.max_num_seqs * topk,
+    )
+    workspace = 2 * workspace_rows * row * e
+    latents = 2 * 8 * sum(c + n for c, n in requests) * row
+    queries = 8 * len(requests) * heads * row
+    reference = 8 * topk * (row + heads)
+    return TRANSIENT_COPIES * (
+        weight + cache + workspace + latents + queries + reference
+    )
+
+
 def _largest_group(
     topology: Topology, runnable: list[dict[str, Any]], scale: int
 ) -> tuple[int, str]:
@@ -110,9 +145,15 @@ def _largest_group(
     dcp = topology.decode_context_parallel_size
     sized = []
     for g in runnable:
-        shape = group_shape(topology, topology.groups[g["index"]], scale)
-        assert not isinstance(shape, str), shape
-        size = group_bytes(shape, dcp, g["block_size"], g["shard_count"])
+        found = run_shape(topology, topology.groups[g["index"]], scale)
+        assert not isinstance(found, str), found
+        shape, pair = found
+        if isinstance(pair, SparsePair):
+            size = sparse_group_bytes(
+                shape, dcp, g["block_size"], g["shard_count"], pair.topk
+            )
+        else:
+            size = group_bytes(shape, dcp, g["block_size"], g["shard_count"])
         sized.append((size, g["name"], shape))
     size, name, shape = max(sized, key=lambda item: item[0])
     return size, (

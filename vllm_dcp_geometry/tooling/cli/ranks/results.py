@@ -20,6 +20,7 @@ from vllm_dcp_geometry.contract.collectives import (
     GLOO,
     NCCL,
     attention_work_ratio,
+    indexer_topk_merge_bytes,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.cases import (
     MLA_ATTENTION_CLASS,
@@ -227,6 +228,120 @@ def _measured(
     }
 
 
+ATTENTION_COLLECTIVES = "attention"
+INDEXER_TOPK_MERGE = "indexer_topk_merge"
+"""What a sparse row's decode step moves (``plan``'s ``decode_collectives``):
+the attention's query all-gather and combine, or the indexer's top-k merge."""
+
+
+def _sparse_numerics(g: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sparse row's worst errors over the ranks (the latent row: output
+    after ``W_UV`` and LSE, each within the dtype's tolerance of its
+    magnitude; the indexer row has none) and whether every rank's merged
+    selection is the float64 top-k (and, for the indexer row, every rank's
+    builder gave its op the contract's local lengths)."""
+    selections_ok = all(r["selection_ok"] for r in ranks)
+    if ranks[0]["sparse_role"] != "latent":
+        lengths_ok = all(r["local_lengths_ok"] for r in ranks)
+        return {
+            "max_abs_error": None,
+            "max_lse_error": None,
+            "selection_ok": selections_ok,
+            "selection_repeats": any(r["selection_repeats"] for r in ranks),
+            "local_lengths_ok": lengths_ok,
+            "numerics_ok": selections_ok and lengths_ok,
+        }
+    shape = Shape(**g["shape"])
+    # The sums the kernels form: the score over L + R, the softmax-weighted
+    # sum over the top-k selected rows.
+    dots = (shape.kv_lora_rank + shape.rope_dim, int(g["indexer_topk"]))
+    worst: dict[str, Any] = {"selection_ok": selections_ok}
+    within = selections_ok
+    for kind, key in (("output", "max_abs_error"), ("lse", "max_lse_error")):
+        error = _worst([r[f"decode_{key}"] for r in ranks])
+        size = max(r[f"decode_{kind}_magnitude"] for r in ranks)
+        allowed = tolerance(shape.dtype, size, dots)
+        worst[key] = error
+        worst[f"decode_{key}"] = error
+        worst[f"decode_{kind}_magnitude"] = size
+        worst[f"decode_{key}_tolerance"] = allowed
+        if (kind == "output" and error is None) or (
+            error is not None and not error <= allowed
+        ):
+            within = False
+    return {**worst, "numerics_ok": within}
+
+
+def _measured_sparse(
+    g: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    *,
+    dcp: int,
+    patched: bool,
+    backend: str,
+) -> dict[str, Any]:
+    """What the ranks of a DeepSeek-V3.2 layer measured for one of its two
+    groups: the latent row against the MLA decode step's formula
+    (``Shape.decode_step_bytes``: the query all-gather and combine), the
+    indexer row against the top-k merge's
+    (``collectives.indexer_topk_merge_bytes``), each over the W the plan
+    names on the run's ``backend``, with the NCCL figure beside."""
+    shape = Shape(**g["shape"])
+    latent = ranks[0]["sparse_role"] == "latent"
+    attended = max(r["impl_dcp_world_size"] for r in ranks)
+    planned = g["collective_world_size"] if patched else dcp
+    decode = [r["decode_bytes"] for r in ranks]
+    tokens = ranks[0]["decode_tokens"]
+    topk = int(g["indexer_topk"])
+
+    def formula(on: str) -> int:
+        if latent:
+            return shape.decode_step_bytes(planned, tokens, on)
+        return indexer_topk_merge_bytes(planned, tokens=tokens, topk=topk, backend=on)
+
+    expected = formula(backend)
+    unmodeled = sorted({c for r in ranks for c in r["decode_unmodeled_collectives"]})
+    matches = (
+        all(b == expected for b in decode) and attended == planned and not unmodeled
+    )
+    numerics = _sparse_numerics(g, ranks)
+    planned_class = g["layer_class"]
+    ran_class = {r["layer_class_run"] for r in ranks}
+    steps = [r["decode_step_s"] for r in ranks if r["decode_step_s"] is not None]
+    return {
+        "attention_mode": attention_mode(g["shard_count"], dcp)
+        if patched
+        else ("local" if attended == 1 else "dcp"),
+        **numerics,
+        "decode_collectives": ATTENTION_COLLECTIVES if latent else INDEXER_TOPK_MERGE,
+        "collective_bytes_per_rank_per_step": max(decode),
+        "collective_bytes_by_rank": decode,
+        "collective_bytes_by_op": ranks[0]["decode_bytes_by_op"],
+        "collective_bytes_by_group": ranks[0]["decode_bytes_by_group"],
+        "unmodeled_collectives": unmodeled,
+        "decode_tokens_per_step": tokens,
+        "indexer_topk": topk,
+        "formula_bytes_per_rank_per_step": expected,
+        "nccl_formula_bytes_per_rank_per_step": formula(NCCL),
+        "traffic_matches_formula": matches,
+        "prefill_collective_bytes_per_rank": None,
+        "decode_step_s": max(steps) if steps else None,
+        "attention_world_size": attended,
+        "collective_world_size": planned,
+        "collective_worlds_seen": sorted(
+            {w for r in ranks for w in r["decode_collective_worlds"]}
+        ),
+        "attention_work_vs_sharded": attention_work_ratio(
+            attended, g["shard_count"], dcp
+        ),
+        "layer_class_run": sorted(ran_class),
+        "layer_class_matches": ran_class == {planned_class},
+        "graph_max_abs_error": None,
+        "graph_ok": True,
+        "ok": numerics["numerics_ok"] and matches and ran_class == {planned_class},
+    }
+
+
 def merge(
     topology: Any,
     groups: list[dict[str, Any]],
@@ -252,12 +367,11 @@ def merge(
                 for result in results
             ]
             crashed = sorted({r["crashed"] for r in ranks if "crashed" in r})
+            measure = _measured_sparse if "sparse_role" in ranks[0] else _measured
             if crashed:
                 row.update(crashed=crashed, ok=False)
             else:
-                row.update(
-                    _measured(g, ranks, dcp=dcp, patched=patched, backend=backend)
-                )
+                row.update(measure(g, ranks, dcp=dcp, patched=patched, backend=backend))
         rows.append(row)
     ran = [r for r in rows if r["status"] == "run"]
     first = results[0] if results else {}
