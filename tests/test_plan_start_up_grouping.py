@@ -50,8 +50,7 @@ def test_every_built_in_profile_is_grouped_as_start_up_groups_it(
 
 
 def test_a_layout_vllms_planner_refuses_exits_2(capsys, tmp_path: Path) -> None:
-    # Latent and indexer caches at K=8 and K=4 cannot share vLLM's pages:
-    # the DeepSeek-V3.2 profile's first 31 layers put back at K=8.
+    # Latent and indexer caches at K=2 and K=4 cannot share vLLM's pages.
     status, document, err = _plan(capsys, "-t", _halves(tmp_path))
     assert status == EXIT_BAD_INPUT
     refusal = document["start_up_grouping"]["refusal"]
@@ -136,11 +135,14 @@ def test_the_emitted_topology_of_a_file_plans_the_same(capsys, tmp_path) -> None
 
 
 def _halves(tmp_path: Path) -> str:
+    """The DeepSeek-V3.2 profile's first 31 layers put at K = 2, the rest
+    kept at K = 4 (both K within replicas, which FlashMLA's sparse builder
+    admits at its 16 heads per rank)."""
     mapping = load_profile("deepseek-v32-tp8-dcp8").to_dict()
     halves = []
     for group in mapping["groups"]:
-        front = {**group, "name": f"{group['name']}.k8", "layers": group["layers"][:31]}
-        del front["dcp_kv_shard_count"]
+        front = {**group, "name": f"{group['name']}.k2", "layers": group["layers"][:31]}
+        front["dcp_kv_shard_count"] = 2
         halves += [front, {**group, "layers": group["layers"][31:]}]
     mapping["groups"] = halves
     mapping["name"] = "halves"

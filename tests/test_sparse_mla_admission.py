@@ -299,21 +299,22 @@ def _plan(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_plan_shows_partial_and_local_sparse_groups(tmp_path: Path) -> None:
-    # The profile at K=4, and every layer at vLLM's K=8.
+    # The profile at K=4 (two replicas of 4).
+    done = _plan("-p", PROFILE)
+    assert done.returncode == 0, done.stderr
+    groups = {g["name"]: g for g in json.loads(done.stdout)["groups"]}
+    latent, indexer = groups["latent.k4"], groups["indexer.k4"]
+    assert latent["attention_mode"] == indexer["attention_mode"] == "dcp-partial"
+    assert latent["attention_backend"] == "FLASHMLA_SPARSE"
+    assert indexer["attention_backend"] == "DEEPSEEK_V32_INDEXER"
+    assert latent["shard_count"] == indexer["shard_count"] == 4
+    # Every layer at vLLM's K=8: vLLM 0.33.0's FlashMLA sparse builder
+    # refuses the 128 gathered heads (16 per rank pad to 64, 128 to 128).
     sharded = tmp_path / "sharded.toml"
     sharded.write_text(_profile_source().replace("dcp_kv_shard_count = 4", ""))
-    for source, mode, k in (
-        (("-p", PROFILE), "dcp-partial", 4),
-        (("-t", str(sharded)), "dcp", 8),
-    ):
-        done = _plan(*source)
-        assert done.returncode == 0, done.stderr
-        groups = {g["name"]: g for g in json.loads(done.stdout)["groups"]}
-        latent, indexer = groups["latent.k4"], groups["indexer.k4"]
-        assert (latent["attention_mode"], indexer["attention_mode"]) == (mode, mode)
-        assert latent["attention_backend"] == "FLASHMLA_SPARSE"
-        assert indexer["attention_backend"] == "DEEPSEEK_V32_INDEXER"
-        assert latent["shard_count"] == indexer["shard_count"] == k
+    done = _plan("-t", str(sharded))
+    assert done.returncode == 2
+    assert "FLASHMLA_SPARSE needs the local and gathered query heads" in done.stderr
     # Every group replicated: local, no gather or combine.
     replicated = tmp_path / "replicated.toml"
     replicated.write_text(
@@ -356,3 +357,41 @@ def test_plan_refuses_an_indexer_cache_without_its_deepseek_reader(
     assert "is read by model.layers.0.self_attn.attn (not in the model)" in (
         done.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("layers", "collectives", "refused"),
+    [
+        (4, "replica", False),
+        (8, "replica", True),
+        (4, "dcp", True),
+        (2, "replica", False),
+    ],
+)
+def test_plan_refuses_the_flashmla_sparse_head_envelope_start_up_refuses(
+    run_cli: Any, layers: int, collectives: str, refused: bool
+) -> None:
+    """DeepSeek-V3.2 at TP8/DCP8 (16 heads per rank, padding to FlashMLA's
+    64-head fp8 envelope): gathered over a replica of 2 or 4 the heads still
+    pad to 64 and the builder builds; over all 8 ranks (K = 8, or K = 4 on
+    the D-wide group) they pad to 128 and vLLM's builder refuses, so ``plan``
+    marks the latent group refused and exits 2 naming it and both envelopes."""
+    config = json.dumps(
+        {
+            "dcp_geometry": {
+                "layers": {"model.layers.*": layers},
+                "partial_collectives": collectives,
+            }
+        }
+    )
+    code, out, err = run_cli(
+        "plan", "-p", "deepseek-v32-tp8-dcp8", "--additional-config", config
+    )
+    if not refused:
+        assert code == 0, err
+        return
+    assert code == 2
+    assert "latent.k4" in out and "refused" in out
+    (line,) = err.strip().splitlines()
+    assert "FLASHMLA_SPARSE needs the local and gathered query heads" in line
+    assert "16 heads per rank pad to 64, the 128 gathered over its W = 8" in line

@@ -401,3 +401,71 @@ def test_sparse_dense_mha_context_is_planned_over_the_group(
                     query_lens,
                 )
                 assert len(wrong.chunks[0].local_context_lens_allranks[0]) == D
+
+
+def _plan_refusal(k: int, collectives: str, heads_per_rank: int) -> str | None:
+    """``plan``'s restatement of the FlashMLA sparse builder's DCP refusal for
+    a latent group of ``heads_per_rank`` heads, K shards at D = 4."""
+    from vllm_dcp_geometry.contract.layer_classes import DEEPSEEK_V32_ATTENTION
+    from vllm_dcp_geometry.tooling.cli.plan.attention import flashmla_sparse_refusal
+    from vllm_dcp_geometry.tooling.topology import topology_from_mapping
+
+    group: dict[str, Any] = {
+        "name": "latent",
+        "kind": "mla",
+        "block_size": B,
+        "layers": [LATENT_LAYER],
+        "layer_class": DEEPSEEK_V32_ATTENTION,
+        "num_kv_heads": 1,
+        "head_size": 576,
+        "kv_lora_rank": 512,
+        "query_heads": D * heads_per_rank,
+        "dtype": "bfloat16",
+    }
+    if k != D:
+        group["dcp_kv_shard_count"] = k
+    topology = topology_from_mapping(
+        {
+            "name": "envelope",
+            "parallel": {
+                "tensor_parallel_size": D,
+                "decode_context_parallel_size": D,
+                "partial_collectives": collectives,
+            },
+            "groups": [group],
+        },
+        source="test",
+    )
+    return flashmla_sparse_refusal(
+        topology.groups[0], 0, "FLASHMLA_SPARSE", topology, k
+    )
+
+
+@pytest.mark.parametrize(
+    ("k", "collectives", "builds"),
+    [(2, "replica", True), (2, "dcp", False), (4, "replica", False), (1, "dcp", True)],
+)
+def test_the_gathered_head_envelope_is_checked_for_the_world_gathered(
+    k: int, collectives: str, builds: bool
+) -> None:
+    """24 heads per rank pad to FlashMLA's 64-head fp8 envelope; gathered over
+    a replica of 2 (48) they still do, over D = 4 (96) they pad to 128. The
+    real builder builds a partial group within its replica (the plugin shows
+    it the replica's world) and refuses it on the D-wide group and at K = D,
+    as vLLM does; ``plan``'s restated rule refuses exactly where it does."""
+    vllm_config = _config(collectives=collectives, heads_per_rank=24)
+    spec = latent_spec(B, _spec_count(k))
+    refusal = _plan_refusal(k, collectives, 24)
+    with cpu_shims():
+        if builds:
+            builder, _ = _build(
+                vllm_config, 1, _flashmla_sparse_backend(), LATENT_LAYER, spec
+            )
+            assert builder.num_heads == 24 and builder.fp8_decode_padded_heads == 64
+            assert refusal is None
+            return
+        with pytest.raises(
+            NotImplementedError, match="same fp8 decode kernel envelope"
+        ):
+            _build(vllm_config, 1, _flashmla_sparse_backend(), LATENT_LAYER, spec)
+    assert refusal is not None and "pad to 64" in refusal and "to 128" in refusal

@@ -164,6 +164,60 @@ def vllm_selector_refusal(
     )
 
 
+FLASHMLA_SPARSE = "FLASHMLA_SPARSE"
+
+
+def flashmla_sparse_refusal(
+    group: CacheGroup, index: int, backend: str | None, topology: Topology, k: int
+) -> str | None:
+    """vLLM 0.33.0's FlashMLA sparse builder's refusal under DCP, for the
+    world the group's query is gathered over (the plugin's
+    ``patches.worker.flashmla_sparse`` shows it that world: none for K = 1,
+    K within a replica, else D): its fp8 decode runs DCP only on the
+    mixed-batch path (fewer than ``MIN_HEADS_FOR_BF16_PREFILL`` heads per
+    rank), and only where the local and the gathered head counts pad to the
+    same kernel envelope (vLLM's own ``_compute_fp8_decode_padded_heads``).
+    None where it builds, or where the topology gives no query heads."""
+    if backend != FLASHMLA_SPARSE:
+        return None
+    from vllm.v1.attention.backends.mla import flashmla_sparse
+
+    from vllm_dcp_geometry.contract.attention_backends import (
+        collectives_within_replica,
+    )
+    from vllm_dcp_geometry.contract.collectives import (
+        REPLICA,
+        collective_world_size,
+    )
+
+    dcp = topology.decode_context_parallel_size
+    within = topology.partial_collectives == REPLICA and collectives_within_replica(
+        backend
+    )
+    world = collective_world_size(k, dcp, replica_collectives=within)
+    heads = topology.heads_per_rank(group)
+    if world == 1 or heads is None:
+        return None
+    name = kv_cache_group_name(group.layers, index)
+    limit = flashmla_sparse.MIN_HEADS_FOR_BF16_PREFILL
+    if heads >= limit:
+        return (
+            f"{name}: FLASHMLA_SPARSE runs DCP only on its mixed-batch fp8 path, "
+            f"fewer than {limit} query heads per rank; this group has {heads} "
+            "(vLLM 0.33.0's builder refuses it at start-up)"
+        )
+    pad = flashmla_sparse.FlashMLASparseImpl._compute_fp8_decode_padded_heads
+    if pad(heads) != pad(heads * world):
+        return (
+            f"{name}: FLASHMLA_SPARSE needs the local and gathered query heads "
+            f"to pad to the same fp8 decode kernel envelope: {heads} heads per "
+            f"rank pad to {pad(heads)}, the {heads * world} gathered over its "
+            f"W = {world} ranks to {pad(heads * world)} (vLLM 0.33.0's builder "
+            "refuses it at start-up; a smaller K within its replica gathers fewer)"
+        )
+    return None
+
+
 def _reader_refusal(group: CacheGroup, topology: Topology) -> str | None:
     """Start-up's refusal of a cache whose reader layer (an indexer cache's
     attention layer) is not the taught class, from the topology's classes."""
@@ -209,6 +263,16 @@ def group_attention(
             "attention_backend": backend,
             "attention_mode": "refused",
             "attention_refusal": refusal,
+        }
+    sparse = flashmla_sparse_refusal(
+        group, index, backend, topology, spec.dcp_shard_count(dcp)
+    )
+    if sparse is not None:
+        return {
+            "layer_class": layer_class,
+            "attention_backend": backend,
+            "attention_mode": "refused",
+            "attention_refusal": sparse,
         }
     reader = _reader_refusal(group, topology)
     if reader is not None and spec.dcp_shard_count(dcp) < dcp:
