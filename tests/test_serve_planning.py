@@ -107,16 +107,28 @@ def test_emitted_topology_from_a_model_round_trips(
 ) -> None:
     """DeepSeek-V3.2 with its MTP draft, built from vLLM's CUDA model code:
     latent and indexer caches of one uniform-type group become two groups of
-    the real layer classes; the emitted file plans the same."""
-    out = tmp_path / "dsv32.json"
-    code, plan = run_cli_json(
-        "plan", "--json", "--model", str(MODELS / "deepseek-v32"),
+    the real layer classes; the emitted file plans the same. At K = D = 8 the
+    FLASHMLA_SPARSE builder refuses 16 local heads against 128 gathered ones
+    (as vLLM alone does); the operators' layout, 2 replicas of K = 4, plans."""
+    serve = [
+        "--model", str(MODELS / "deepseek-v32"),
         "--tensor-parallel-size", "8", "--decode-context-parallel-size", "8",
         "--kv-cache-dtype", "fp8_ds_mla",
         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+    ]  # fmt: skip
+    code, refused = run_cli_json("plan", "--json", *serve)
+    assert code == 2, refused
+    assert "FLASHMLA_SPARSE needs the local and gathered query heads" in str(
+        refused
+    )
+    out = tmp_path / "dsv32.json"
+    k4 = '{"dcp_geometry": {"layers": {"model.layers.*": 4}}}'
+    code, plan = run_cli_json(
+        "plan", "--json", *serve, "--additional-config", k4,
         "--emit-topology", str(out),
     )  # fmt: skip
     assert code == 0, plan
+    assert {g["shard_count"] for g in plan["groups"] if not g["draft"]} == {4}
     classes = {g["layer_class"].rsplit(".", 1)[-1] for g in plan["groups"]}
     assert classes == {"DeepseekV32Attention", "DeepseekV32IndexerCache"}
     assert {g["source"] for g in plan["groups"]} == {"model"}
