@@ -12,7 +12,7 @@ assignments an exhaustive search would visit, the plans the search runs
 (one per candidate K of each choice, one per frontier point, one of the
 topology), the frontier's size, the search's wall time (and the part of it
 spent planning; the rest is sizing vLLM's pool per frontier point and the
-recommended pool's run through vLLM's ``KVCacheManager``), one
+recommended and largest-K pools' runs through vLLM's scheduler), one
 ``build_plan`` of the unmodified topology, and the ratio search / one plan,
 measured in one run. The merge is exact (``optimize.frontier``), so the
 work grows with choices x divisors plus the frontier, never with the number

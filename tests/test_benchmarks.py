@@ -241,7 +241,7 @@ def test_the_optimize_search_benchmark_merges_instead_of_enumerating() -> None:
 
 def test_the_recorded_optimize_search_is_the_benchmarks_shape() -> None:
     recorded = json.loads(
-        (RESULTS_DIR / "2026-12-04-optimize-search.json").read_text(encoding="utf-8")
+        (RESULTS_DIR / "2026-12-06-optimize-search.json").read_text(encoding="utf-8")
     )
     rows = {row["topology"]: row for row in recorded["rows"]}
     assert set(rows) == {"kimi-k3-tp16-dcp16", "mla-60-groups-dcp32"}

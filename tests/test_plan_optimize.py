@@ -160,10 +160,28 @@ def test_a_wrong_frontier_is_caught_by_the_brute_force(partial_terms) -> None:
 
 
 @pytest.mark.parametrize(
-    "profile", ["kimi-k3-tp16-dcp16", "deepseek-v32-tp8-dcp8", "gpt-oss-tp64-dcp8"]
+    ("profile", "weight_gib"),
+    [
+        ("kimi-k3-tp16-dcp16", "8"),
+        ("deepseek-v32-tp8-dcp8", "8"),
+        # Sliding windows: vLLM's rule is a lower bound (``capacity_proof``).
+        ("gpt-oss-tp64-dcp8", "100"),
+    ],
 )
-def test_the_recommended_line_plans_what_it_promised(run_cli, profile: str) -> None:
-    result = _optimized(run_cli, "-p", profile, "--device", "H200", "--weight-gib", "8")
+def test_the_recommended_line_plans_what_it_promised(
+    run_cli, profile: str, weight_gib: str
+) -> None:
+    """The pasted line, fed back, gives the same numbers: ``plan``'s request
+    bytes, start-up's pool for the budget and what vLLM's scheduler holds in
+    it; the recommended point and K=max pass the scheduler check."""
+    from vllm_dcp_geometry.tooling.cli.plan.capacity_proof import (
+        scheduler_admission,
+    )
+    from vllm_dcp_geometry.tooling.topology import apply_additional_config
+
+    result = _optimized(
+        run_cli, "-p", profile, "--device", "H200", "--weight-gib", weight_gib
+    )
     chosen = result["recommended"]
     code, out, err = run_cli(
         "plan",
@@ -179,15 +197,41 @@ def test_the_recommended_line_plans_what_it_promised(run_cli, profile: str) -> N
         plan["totals"]["kv_bytes_per_request_per_rank"]
         == (chosen["request_bytes_per_rank"])
     )
-    # vLLM's rule on vLLM's pool, and vLLM's KVCacheManager holds at least it.
+    # vLLM's rule on vLLM's pool, and vLLM's scheduler holds it.
     assert (
         chosen["requests"]
         == (chosen["pool_blocks"] - 1) // chosen["blocks_per_request"]
     )
     check = result["capacity_check"]
-    assert check["predicted_requests"] == chosen["requests"] > 0
-    assert check["admitted_requests"] >= check["predicted_requests"]
     assert check["holds"]
+    exact = profile != "gpt-oss-tp64-dcp8"
+    for point in (check["recommended"], check["largest_k"]):
+        assert point["agrees"], point
+        assert point["rule"] == ("exact" if exact else "lower bound")
+        if exact:
+            assert point["admitted_requests"] == point["predicted_requests"] > 0
+        else:
+            assert point["admitted_requests"] >= point["predicted_requests"] > 0
+            assert point["admitted_requests"] < point["submitted_requests"]
+    recommended = check["recommended"]
+    assert recommended["predicted_requests"] == chosen["requests"]
+    assert recommended["num_blocks"] == chosen["pool_blocks"]
+    # The pasted line's own pool and scheduler: the same numbers.
+    pasted = apply_additional_config(
+        load_profile(profile), json.loads(chosen["additional_config"])
+    )
+    backends = {
+        g["attention_backend"] for g in plan["groups"] if g["attention_backend"]
+    }
+    pool = opt.vllm_pool(pasted, backends, result["budget"]["kv_bytes_per_rank"])
+    assert (pool.num_blocks, pool.blocks_per_request, pool.requests) == (
+        chosen["pool_blocks"],
+        chosen["blocks_per_request"],
+        chosen["requests"],
+    )
+    assert (
+        scheduler_admission(pasted, pool).admitted == recommended["admitted_requests"]
+    )
     # Within the overhead bound, no frontier point holds more requests.
     allowed = [
         e
@@ -198,9 +242,12 @@ def test_the_recommended_line_plans_what_it_promised(run_cli, profile: str) -> N
 
 
 def test_latency_objective_takes_the_fastest_point(run_cli) -> None:
+    # 100 GiB of weights: a pool of ~200 requests keeps the scheduler check
+    # of K=max (sliding windows: more held than predicted) short.
     result = _optimized(
-        run_cli, "-p", "gpt-oss-tp64-dcp8", "--device", "H200", "--objective", "latency"
-    )
+        run_cli, "-p", "gpt-oss-tp64-dcp8", "--device", "H200",
+        "--weight-gib", "100", "--objective", "latency",
+    )  # fmt: skip
     fastest = min(e["step_seconds"] for e in result["frontier"])
     assert result["recommended"]["step_seconds"] == fastest
     assert result["recommended"]["shard_counts"]["full"] == 1
@@ -268,23 +315,30 @@ def test_a_k_list_limits_every_choice_with_a_choice(run_cli) -> None:
 
 
 def test_the_capacity_check_fails_on_an_overpromise() -> None:
-    """A pool that claims more requests than it holds (a rule that counts one
-    block per request) is caught by vLLM's KVCacheManager."""
+    """A pool that claims one request more than its blocks hold is caught by
+    vLLM's scheduler: it holds what the blocks hold."""
     import dataclasses as dc
 
-    topology = load_profile("gpt-oss-tp32-dcp4")
-    pool = opt.vllm_pool(topology, {"FLASH_ATTN"}, 40 << 30)
-    held = opt.admitted_requests(topology, pool, step_tokens=2048)
-    assert held >= pool.requests > 0
-    wrong = dc.replace(pool, blocks_per_request=pool.blocks_per_request // 2)
-    assert opt.admitted_requests(topology, wrong, step_tokens=2048) < wrong.requests
+    from vllm_dcp_geometry.tooling.cli.plan.capacity_proof import (
+        scheduler_admission,
+    )
+
+    topology = load_profile("dense-gqa-tp8-dcp8")
+    pool = opt.vllm_pool(topology, set(), 4 << 30)
+    held = scheduler_admission(topology, pool)
+    assert held.agrees and held.admitted == pool.requests > 0
+    wrong = dc.replace(pool, num_blocks=pool.num_blocks + pool.blocks_per_request)
+    caught = scheduler_admission(topology, wrong)
+    assert caught.predicted == pool.requests + 1
+    assert caught.admitted == pool.requests
+    assert not caught.agrees
 
 
 def test_plot_draws_the_frontier(run_cli, tmp_path, monkeypatch) -> None:
     path = tmp_path / "frontier.png"
     code, _, err = run_cli(
         "plan", "--optimize", "-p", "gpt-oss-tp64-dcp8", "--device", "H200",
-        "--plot", str(path),
+        "--weight-gib", "100", "--plot", str(path),
     )  # fmt: skip
     assert code == 0, err
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -294,7 +348,7 @@ def test_plot_draws_the_frontier(run_cli, tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = run_cli(
         "plan", "--optimize", "-p", "gpt-oss-tp64-dcp8", "--device", "H200",
-        "--plot", str(tmp_path / "none.png"),
+        "--weight-gib", "100", "--plot", str(tmp_path / "none.png"),
     )  # fmt: skip
     assert code == 2
     assert "pip install 'vllm-dcp-geometry[plot]'" in err
@@ -324,6 +378,8 @@ def test_weights_come_from_the_built_models_parameters(run_cli) -> None:
     flags = (
         "--model", str(model), "--tensor-parallel-size", str(tp),
         "--decode-context-parallel-size", "2", "--device", "H200",
+        # A smaller device keeps the scheduler check's pool small.
+        "--gpu-memory-gib", "24",
     )  # fmt: skip
     result = _optimized(run_cli, *flags)
     assert result["budget"]["weight_bytes_per_rank"] == expected

@@ -157,5 +157,5 @@ def _optimize(args: argparse.Namespace, topology: Any) -> int:
     if args.plot:
         plot_frontier(result, topology, args.plot)
     runs.emit(document, args.json, format_optimize(result, topology))
-    # vLLM's KVCacheManager must admit what vLLM's own rule says the pool holds.
+    # vLLM's scheduler must admit what vLLM's own rule says the pool holds.
     return EXIT_OK if result["capacity_check"]["holds"] else EXIT_VIOLATION

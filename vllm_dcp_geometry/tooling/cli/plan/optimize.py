@@ -31,9 +31,10 @@ Every frontier point is then planned from its pasted ``--additional-config``
 (the same totals, or an error) and given vLLM's own pool for the budget
 (device memory x utilization - weights): start-up's planner groups, padding
 and sizing (``vllm_pool``); the requests it holds are vLLM's rule. A point
-start-up's planner refuses is dropped, named. The recommended pool is run
-through vLLM's real ``KVCacheManager`` (``admitted_requests``), which must
-hold at least what the rule promises.
+start-up's planner refuses is dropped, named. The recommended pool and the
+pool of every choice at its largest admitted K then run through vLLM's real
+scheduler (``capacity_proof``), which must hold exactly as many
+target-context requests at once as the rule predicts.
 """
 
 from __future__ import annotations
@@ -545,21 +546,18 @@ def optimize_shard_counts(
                 "largest K"
             )
         chosen = max(allowed, key=lambda e: (e["requests"], -e["step_seconds"]))
-    # The recommended pool through vLLM's own KVCacheManager: it must hold at
-    # least what the rule promised (more where sliding windows or recurrent
-    # state peak only while a request prefills).
-    chosen_pool = next(pool for p, pool in checked if p.ks == chosen_ks[id(chosen)])
-    applied = _applied(topology, picked, chosen_ks[id(chosen)])
-    step_tokens = chosen_pool.config.scheduler_config.max_num_batched_tokens
-    admitted = admitted_requests(applied, chosen_pool, step_tokens=step_tokens)
-    capacity = {
-        "num_blocks": chosen_pool.num_blocks,
-        "blocks_per_request": chosen_pool.blocks_per_request,
-        "predicted_requests": chosen_pool.requests,
-        "admitted_requests": admitted,
-        "step_tokens": step_tokens,
-        "holds": admitted >= chosen_pool.requests,
-    }
+    # The recommended pool and, for comparison, every choice at its largest
+    # K, through vLLM's own scheduler: each must hold what the rule predicts.
+    pools = {point.ks: pool for point, pool in checked}
+    capacity = capacity_check(
+        topology,
+        picked,
+        {"recommended": chosen_ks[id(chosen)], "largest_k": sharded.ks},
+        lambda ks: (
+            pools.get(ks)
+            or vllm_pool(_applied(topology, picked, ks), backends, budget.kv_bytes)
+        ),
+    )
     return {
         "capacity_check": capacity,
         "budget": {
@@ -712,16 +710,35 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
     ]
     for reason in result["dropped_points"]:
         lines.append(f"dropped, start-up's KV-cache grouping refuses it: {reason}")
-    check = result["capacity_check"]
-    lines.append(
-        f"vLLM's pool for this budget at the recommended K: {check['num_blocks']:,} "
-        f"blocks, {check['blocks_per_request']:,} per request: holds "
-        f"{check['predicted_requests']:,} requests by vLLM's rule; its "
-        f"KVCacheManager held {check['admitted_requests']:,} at once, prefilled in "
-        f"{check['step_tokens']:,}-token chunks"
-        + ("" if check["holds"] else ": FEWER THAN vLLM'S RULE PROMISES")
-    )
+    lines += capacity_lines(result["capacity_check"], topology)
     return "\n".join(lines)
+
+
+def capacity_lines(check: dict[str, Any], topology: Topology) -> list[str]:
+    """The scheduler check in ``format_optimize``'s text: per point, vLLM's
+    rule against what vLLM's scheduler held at once."""
+    from vllm_dcp_geometry.tooling.cli.plan.capacity_proof import admission_line
+
+    recommended, largest = check["recommended"], check["largest_k"]
+    ran = next(
+        (e for e in (recommended, largest) if e.get("admitted_requests") is not None),
+        None,
+    )
+    lines = []
+    if ran:
+        lines.append(
+            f"vLLM's {ran['scheduler']} on the pool for this budget "
+            f"({ran['batches_in_flight']} steps in flight, "
+            f"{ran['step_tokens']:,}-token chunks), requests of "
+            f"{topology.max_model_len - 1:,} prompt tokens submitted at once, "
+            "each held once prefilled:"
+        )
+    if recommended is largest:
+        lines.append("  " + admission_line("recommended K (= K=max)", recommended))
+    else:
+        lines.append("  " + admission_line("recommended K", recommended))
+        lines.append("  " + admission_line(f"K=max {largest['shard_counts']}", largest))
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -760,37 +777,44 @@ def vllm_pool(topology: Topology, backend_names: set[str], kv_bytes: int) -> Poo
     return Pool(kv_cache_config.num_blocks, per_request, kv_cache_config, config)
 
 
-def admitted_requests(topology: Topology, pool: Pool, *, step_tokens: int) -> int:
-    """Max-length requests vLLM's real ``KVCacheManager`` holds at once in
-    ``pool``, each prefilled in ``step_tokens`` chunks as the scheduler would
-    (stopping one past what the rule promises)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
+def capacity_check(
+    topology: Topology,
+    picked: Sequence[Choice],
+    points: dict[str, tuple[int, ...]],
+    pool_of: Any,
+) -> dict[str, Any]:
+    """vLLM's scheduler on each named point's pool (``pool_of(ks)``, a
+    ``Pool``): predicted and admitted requests per point. ``holds`` only
+    where every point whose pool start-up makes admits exactly the
+    prediction (at least it where the rule is a bound: ``capacity_proof``);
+    one start-up's planner refuses is named, not run."""
+    from vllm_dcp_geometry.tooling.cli.plan.capacity_proof import (
+        scheduler_admission,
+    )
 
-    from vllm_dcp_geometry.tooling import vllm_objects
-
-    manager = vllm_objects.manager_for(
-        topology, pool.kv_cache_config, pool.config, enable_caching=False
-    ).manager
-    length = topology.max_model_len
-    admitted = 0
-    while admitted <= pool.requests:
-        request = Request(
-            f"capacity-{admitted}",
-            [0] * length,
-            SamplingParams(max_tokens=1),
-            pooling_params=None,
-        )
-        done = 0
-        while done < length:
-            chunk = min(step_tokens, length - done)
-            manager.new_step_starts()
-            if manager.allocate_slots(request, chunk) is None:
-                return admitted
-            done += chunk
-            request.num_computed_tokens = done
-        admitted += 1
-    return admitted
+    result: dict[str, Any] = {}
+    measured: dict[tuple[int, ...], dict[str, Any]] = {}
+    for label, ks in points.items():
+        if ks not in measured:
+            entry: dict[str, Any] = {
+                "shard_counts": {c.name: k for c, k in zip(picked, ks, strict=True)}
+            }
+            try:
+                pool = pool_of(ks)
+            except TopologyError as exc:
+                entry["refused"] = str(exc)
+            else:
+                admission = scheduler_admission(_applied(topology, picked, ks), pool)
+                entry |= {
+                    "num_blocks": pool.num_blocks,
+                    "blocks_per_request": pool.blocks_per_request,
+                    "step_tokens": pool.config.scheduler_config.max_num_batched_tokens,
+                    **admission.as_json(),
+                }
+            measured[ks] = entry
+        result[label] = measured[ks]
+    result["holds"] = all(e["agrees"] for e in measured.values() if "refused" not in e)
+    return result
 
 
 def plot_frontier(result: dict[str, Any], topology: Topology, path: str) -> None:

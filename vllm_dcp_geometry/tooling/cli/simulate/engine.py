@@ -182,9 +182,15 @@ def build_engine(
     patched: bool,
     num_pages: int | None,
     model_dir: str,
+    kv_cache_config: Any = None,
+    as_served: bool = False,
 ) -> Engine:
     """vLLM's ``Scheduler`` over the topology's KV-cache groups, built the way
-    ``EngineCore.__init__`` builds it."""
+    ``EngineCore.__init__`` builds it; ``kv_cache_config`` (groups and pool
+    as start-up made them, ``plan --optimize``) replaces the topology's groups
+    and ``num_pages``. ``as_served``: the class the engine core picks for the
+    config (``AsyncScheduler`` under vLLM's default async scheduling), not
+    the synchronous ``Scheduler``."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -194,6 +200,9 @@ def build_engine(
     specs = [
         vllm_objects.build_spec(g, topology, patched=patched) for g in topology.groups
     ]
+    if kv_cache_config is not None:
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        num_pages = kv_cache_config.num_blocks
     pages = (
         num_pages
         if num_pages is not None
@@ -201,11 +210,15 @@ def build_engine(
     )
     if pages < 2:
         raise TopologyError(f"--num-pages must be at least 2, got {pages}")
-    kv_cache_config = vllm_objects.build_kv_cache_config(topology, specs, pages)
+    if kv_cache_config is None:
+        kv_cache_config = vllm_objects.build_kv_cache_config(topology, specs, pages)
     config.cache_config.num_gpu_blocks = pages
     sched_block, hash_block = vllm_objects.resolve_block_sizes(kv_cache_config, config)
+    scheduler_cls = (
+        config.scheduler_config.get_scheduler_cls() if as_served else Scheduler
+    )
     try:
-        scheduler = Scheduler(
+        scheduler = scheduler_cls(
             vllm_config=config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(config),
@@ -271,6 +284,10 @@ class StandInModel:
     acceptance: float
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    hold_prefilled: bool = False
+    """Sample nothing after a request's last prefill chunk either: it stays
+    running with its whole context in the pool and asks for no more (the
+    ``plan --optimize`` capacity check)."""
     _rng: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -292,7 +309,7 @@ class StandInModel:
         sampled: list[list[int]] = []
         for req_id in req_ids:
             request = scheduler.requests[req_id]
-            if request.num_computed_tokens < request.num_tokens:
+            if self.hold_prefilled or request.num_computed_tokens < request.num_tokens:
                 sampled.append([])
                 continue
             proposed = [t for t in drafts.get(req_id, ()) if t >= 0]
