@@ -118,9 +118,7 @@ def test_emitted_topology_from_a_model_round_trips(
     ]  # fmt: skip
     code, refused = run_cli_json("plan", "--json", *serve)
     assert code == 2, refused
-    assert "FLASHMLA_SPARSE needs the local and gathered query heads" in str(
-        refused
-    )
+    assert "FLASHMLA_SPARSE needs the local and gathered query heads" in str(refused)
     out = tmp_path / "dsv32.json"
     k4 = '{"dcp_geometry": {"layers": {"model.layers.*": 4}}}'
     code, plan = run_cli_json(
