@@ -295,6 +295,25 @@ def build_mla_attention(
     return build_layer(config, weight, rank, shape, device)
 
 
+def up_projection_weight(group: PlannedGroup, run: RankRun) -> Any:
+    """The ``kv_b_proj`` weight of all D x h heads, the same on every rank
+    (seeded by the run and the group), held in float64 at values the group's
+    dtype represents, so the layer and the reference multiply the same."""
+    import torch
+
+    shape = group.shape
+    heads = run.world * shape.heads_per_rank
+    gen = torch.Generator().manual_seed(run.seed + 7919 * group.index)
+    weight = torch.randn(
+        heads * (shape.nope_dim + shape.v_head_dim),
+        shape.kv_lora_rank,
+        generator=gen,
+        dtype=torch.float64,
+    )
+    weight = (weight * shape.kv_lora_rank**-0.5).to(getattr(torch, shape.dtype))
+    return weight.double()
+
+
 def set_up_group(
     group: PlannedGroup,
     run: RankRun,
@@ -311,16 +330,7 @@ def set_up_group(
     shape, world, rank, device = group.shape, run.world, run.rank, run.device
     k, block = group.shard_count, group.block_size
     shard = GroupGeometry(group.name, k, world, rank).shard
-    heads = world * shape.heads_per_rank
-    gen = torch.Generator().manual_seed(run.seed + 7919 * group.index)
-    weight = torch.randn(
-        heads * (shape.nope_dim + shape.v_head_dim),
-        shape.kv_lora_rank,
-        generator=gen,
-        dtype=torch.float64,
-    )
-    weight = (weight * shape.kv_lora_rank**-0.5).to(getattr(torch, shape.dtype))
-    weight = weight.double()
+    weight = up_projection_weight(group, run)
     width = cdiv(shape.max_model_len, block * k)
     cases = phase_requests(block, k, group.non_causal)
     config = vllm_config(

@@ -14,6 +14,7 @@ group run is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm_dcp_geometry.contract.collectives import (
@@ -151,6 +152,57 @@ def _errors(ranks: list[dict[str, Any]], g: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _traffic_and_class(
+    g: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    *,
+    dcp: int,
+    patched: bool,
+    backend: str,
+    formula: Callable[[int, int, str], int],
+    unmodeled: list[str],
+    planned_class: str,
+) -> dict[str, Any]:
+    """The fields every run group's row has: the decode step's bytes per rank
+    against ``formula(W, tokens, backend)`` over the W the plan names (and on
+    NCCL, what ``plan`` reports), the worlds attended and seen, and the class
+    the ranks ran against the one the plan names."""
+    attended = max(r["impl_dcp_world_size"] for r in ranks)
+    # What the plan says the group's collectives span; unpatched vLLM runs
+    # every MLA group on the D-wide group.
+    planned = g["collective_world_size"] if patched else dcp
+    decode = [r["decode_bytes"] for r in ranks]
+    tokens = ranks[0]["decode_tokens"]
+    expected = formula(planned, tokens, backend)
+    ran_class = {r["layer_class_run"] for r in ranks}
+    return {
+        "attention_mode": attention_mode(g["shard_count"], dcp)
+        if patched
+        else ("local" if attended == 1 else "dcp"),
+        "collective_bytes_per_rank_per_step": max(decode),
+        "collective_bytes_by_rank": decode,
+        "collective_bytes_by_op": ranks[0]["decode_bytes_by_op"],
+        "collective_bytes_by_group": ranks[0]["decode_bytes_by_group"],
+        "unmodeled_collectives": unmodeled,
+        "decode_tokens_per_step": tokens,
+        "formula_bytes_per_rank_per_step": expected,
+        "nccl_formula_bytes_per_rank_per_step": formula(planned, tokens, NCCL),
+        "traffic_matches_formula": all(b == expected for b in decode)
+        and attended == planned
+        and not unmodeled,
+        "attention_world_size": attended,
+        "collective_world_size": planned,
+        "collective_worlds_seen": sorted(
+            {w for r in ranks for w in r["decode_collective_worlds"]}
+        ),
+        "attention_work_vs_sharded": attention_work_ratio(
+            attended, g["shard_count"], dcp
+        ),
+        "layer_class_run": sorted(ran_class),
+        "layer_class_matches": ran_class == {planned_class},
+    }
+
+
 def _measured(
     g: dict[str, Any],
     ranks: list[dict[str, Any]],
@@ -165,13 +217,6 @@ def _measured(
     unmodeled); the fields it adds to (or sets in) the group's row, with
     what the same step moves on NCCL (what ``plan`` reports)."""
     shape = Shape(**g["shape"])
-    attended = max(r["impl_dcp_world_size"] for r in ranks)
-    # What the plan says the group's collectives span; unpatched vLLM runs
-    # every MLA group on the D-wide group.
-    planned = g["collective_world_size"] if patched else dcp
-    decode = [r["decode_bytes"] for r in ranks]
-    tokens = ranks[0]["decode_tokens"]
-    expected = shape.decode_step_bytes(planned, tokens, backend)
     errors = _errors(ranks, g)
     unmodeled = sorted(
         {
@@ -181,50 +226,32 @@ def _measured(
             for c in r[f"{phase}_unmodeled_collectives"]
         }
     )
-    matches = (
-        all(b == expected for b in decode) and attended == planned and not unmodeled
+    row = _traffic_and_class(
+        g,
+        ranks,
+        dcp=dcp,
+        patched=patched,
+        backend=backend,
+        formula=shape.decode_step_bytes,
+        unmodeled=unmodeled,
+        # The class every rank ran must be the one the plan names.
+        planned_class=g["layer_class"] or MLA_ATTENTION_CLASS,
     )
     # A decode step replayed from a CUDA graph (--cuda-graph) must be as
     # right as the eager one.
     graph = _worst([r.get("graph_max_abs_error") for r in ranks])
     graph_ok = graph is None or graph <= errors["decode_max_abs_error_tolerance"]
-    # The class every rank ran must be the one the plan names.
-    planned_class = g["layer_class"] or MLA_ATTENTION_CLASS
-    ran_class = {r["layer_class_run"] for r in ranks}
     return {
-        "attention_mode": attention_mode(g["shard_count"], dcp)
-        if patched
-        else ("local" if attended == 1 else "dcp"),
+        **row,
         **errors,
-        "collective_bytes_per_rank_per_step": max(decode),
-        "collective_bytes_by_rank": decode,
-        "collective_bytes_by_op": ranks[0]["decode_bytes_by_op"],
-        "collective_bytes_by_group": ranks[0]["decode_bytes_by_group"],
-        "unmodeled_collectives": unmodeled,
-        "decode_tokens_per_step": tokens,
-        "formula_bytes_per_rank_per_step": expected,
-        "nccl_formula_bytes_per_rank_per_step": shape.decode_step_bytes(
-            planned, tokens, NCCL
-        ),
-        "traffic_matches_formula": matches,
         "prefill_collective_bytes_per_rank": max(r["prefill_bytes"] for r in ranks),
         "decode_step_s": max(r["decode_step_s"] for r in ranks),
-        "attention_world_size": attended,
-        "collective_world_size": planned,
-        "collective_worlds_seen": sorted(
-            {w for r in ranks for w in r["decode_collective_worlds"]}
-        ),
-        "attention_work_vs_sharded": attention_work_ratio(
-            attended, g["shard_count"], dcp
-        ),
-        "layer_class_run": sorted(ran_class),
-        "layer_class_matches": ran_class == {planned_class},
         "graph_max_abs_error": graph,
         "graph_ok": graph_ok,
         "ok": errors["numerics_ok"]
-        and matches
+        and row["traffic_matches_formula"]
         and graph_ok
-        and ran_class == {planned_class},
+        and row["layer_class_matches"],
     }
 
 
@@ -288,57 +315,35 @@ def _measured_sparse(
     names on the run's ``backend``, with the NCCL figure beside."""
     shape = Shape(**g["shape"])
     latent = ranks[0]["sparse_role"] == "latent"
-    attended = max(r["impl_dcp_world_size"] for r in ranks)
-    planned = g["collective_world_size"] if patched else dcp
-    decode = [r["decode_bytes"] for r in ranks]
-    tokens = ranks[0]["decode_tokens"]
     topk = int(g["indexer_topk"])
 
-    def formula(on: str) -> int:
-        if latent:
-            return shape.decode_step_bytes(planned, tokens, on)
-        return indexer_topk_merge_bytes(planned, tokens=tokens, topk=topk, backend=on)
+    def merge_bytes(world: int, tokens: int, on: str) -> int:
+        return indexer_topk_merge_bytes(world, tokens=tokens, topk=topk, backend=on)
 
-    expected = formula(backend)
-    unmodeled = sorted({c for r in ranks for c in r["decode_unmodeled_collectives"]})
-    matches = (
-        all(b == expected for b in decode) and attended == planned and not unmodeled
+    row = _traffic_and_class(
+        g,
+        ranks,
+        dcp=dcp,
+        patched=patched,
+        backend=backend,
+        formula=shape.decode_step_bytes if latent else merge_bytes,
+        unmodeled=sorted({c for r in ranks for c in r["decode_unmodeled_collectives"]}),
+        planned_class=g["layer_class"],
     )
     numerics = _sparse_numerics(g, ranks)
-    planned_class = g["layer_class"]
-    ran_class = {r["layer_class_run"] for r in ranks}
     steps = [r["decode_step_s"] for r in ranks if r["decode_step_s"] is not None]
     return {
-        "attention_mode": attention_mode(g["shard_count"], dcp)
-        if patched
-        else ("local" if attended == 1 else "dcp"),
+        **row,
         **numerics,
         "decode_collectives": ATTENTION_COLLECTIVES if latent else INDEXER_TOPK_MERGE,
-        "collective_bytes_per_rank_per_step": max(decode),
-        "collective_bytes_by_rank": decode,
-        "collective_bytes_by_op": ranks[0]["decode_bytes_by_op"],
-        "collective_bytes_by_group": ranks[0]["decode_bytes_by_group"],
-        "unmodeled_collectives": unmodeled,
-        "decode_tokens_per_step": tokens,
         "indexer_topk": topk,
-        "formula_bytes_per_rank_per_step": expected,
-        "nccl_formula_bytes_per_rank_per_step": formula(NCCL),
-        "traffic_matches_formula": matches,
         "prefill_collective_bytes_per_rank": None,
         "decode_step_s": max(steps) if steps else None,
-        "attention_world_size": attended,
-        "collective_world_size": planned,
-        "collective_worlds_seen": sorted(
-            {w for r in ranks for w in r["decode_collective_worlds"]}
-        ),
-        "attention_work_vs_sharded": attention_work_ratio(
-            attended, g["shard_count"], dcp
-        ),
-        "layer_class_run": sorted(ran_class),
-        "layer_class_matches": ran_class == {planned_class},
         "graph_max_abs_error": None,
         "graph_ok": True,
-        "ok": numerics["numerics_ok"] and matches and ran_class == {planned_class},
+        "ok": numerics["numerics_ok"]
+        and row["traffic_matches_formula"]
+        and row["layer_class_matches"],
     }
 
 

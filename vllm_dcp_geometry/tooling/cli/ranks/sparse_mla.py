@@ -68,6 +68,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.group import (
     ShardLayout,
     common_metadata,
     group_slots,
+    up_projection_weight,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import Collective, Traffic
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import vllm_config
@@ -284,16 +285,7 @@ def set_up_layer(group: PlannedGroup, run: RankRun) -> SparseSetUp:
     shape, topk, k = group.shape, group.indexer_topk, group.shard_count
     assert topk is not None
     shard = GroupGeometry(group.name, k, run.world, run.rank).shard
-    heads = run.world * shape.heads_per_rank
-    gen = torch.Generator().manual_seed(run.seed + 7919 * group.index)
-    weight = torch.randn(
-        heads * (shape.nope_dim + shape.v_head_dim),
-        shape.kv_lora_rank,
-        generator=gen,
-        dtype=torch.float64,
-    )
-    dtype = getattr(torch, shape.dtype)
-    weight = (weight * shape.kv_lora_rank**-0.5).to(dtype).double()
+    weight = up_projection_weight(group, run)
     config = sparse_config(group, run)
     layer = build_layer(config, weight, run.rank, shape, run.device, topk)
     count = group.dcp_kv_shard_count if run.patched else None
