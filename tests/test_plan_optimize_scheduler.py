@@ -157,3 +157,22 @@ def test_a_prediction_off_by_one_exits_1_naming_both(
         held + offset,
         held,
     )
+
+
+def test_a_pool_sized_by_another_config_than_the_schedulers_is_refused() -> None:
+    """The scheduler's config must give the blocks per request the pool was
+    sized with; a pool claiming another count stops the check, naming both."""
+    import dataclasses as dc
+
+    from vllm_dcp_geometry.tooling.topology import TopologyError
+
+    topology = load_profile("dense-gqa-tp8-dcp8")
+    pool = opt.vllm_pool(topology, set(), 4 << 30)
+    wrong = dc.replace(pool, blocks_per_request=pool.blocks_per_request + 1)
+    with pytest.raises(TopologyError) as excinfo:
+        scheduler_admission(topology, wrong)
+    assert str(excinfo.value) == (
+        f"--optimize: the scheduler's config gives {pool.blocks_per_request:,} "
+        f"blocks per request by vLLM's rule, start-up's "
+        f"{wrong.blocks_per_request:,}"
+    )
