@@ -70,9 +70,28 @@ def declared_patches(item: pytest.Item) -> set[str]:
     return {str(name) for mark in item.iter_markers("patches") for name in mark.args}
 
 
+def _skip_other_releases(items: list[pytest.Item]) -> None:
+    """A test marked ``vllm_releases("0.33.0", ...)`` runs only on those vLLM
+    releases (Model Runner V1 exists on 0.33.0 alone, for instance)."""
+    from vllm_dcp_geometry._version import installed_vllm_version
+
+    installed = installed_vllm_version()
+    for item in items:
+        marks = list(item.iter_markers("vllm_releases"))
+        releases = {str(r) for mark in marks for r in mark.args}
+        if marks and installed not in releases:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"runs on vLLM {', '.join(sorted(releases))} only "
+                    f"(installed: {installed})"
+                )
+            )
+
+
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
+    _skip_other_releases(items)
     wanted = set(config.getoption("patch"))
     if not wanted:
         return

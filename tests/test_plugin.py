@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
-import re
 import subprocess
 import sys
 from importlib import metadata
@@ -17,10 +15,10 @@ import pytest
 
 from tests.support.processes import REPO_ROOT, run_python
 from vllm_dcp_geometry import plugin
-from vllm_dcp_geometry._version import pinned_vllm_version
-from vllm_dcp_geometry.patches import PATCH_MODULES, declarations
+from vllm_dcp_geometry.patches import declarations
 from vllm_dcp_geometry.runtime import patching
 from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, UpstreamSymbol
+from vllm_dcp_geometry.runtime.releases import active_release
 from vllm_dcp_geometry.tooling.docs.patch_table import RUNS_IN, patch_table_markdown
 
 pytestmark = pytest.mark.patches("common.kv_cache_interface")
@@ -114,39 +112,19 @@ print(json.dumps(hasattr(k, "get_kv_cache_dcp_shard_count")))
     assert result is False
 
 
-def test_pin_is_declared_once_and_matches_installed_vllm() -> None:
-    pyproject = (Path(REPO_ROOT) / "pyproject.toml").read_text()
-    assert len(re.findall(r'"vllm==', pyproject)) == 1
-    assert pinned_vllm_version() == metadata.version("vllm") == "0.33.0"
-
-
-def test_other_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.34.0")
-    monkeypatch.delenv(plugin.ALLOW_OTHER_VLLM_ENV, raising=False)
-    with pytest.raises(plugin.VllmVersionError, match=r"needs vllm==0\.33\.0.*0\.34"):
-        plugin.check_vllm_version()
-    monkeypatch.setenv(plugin.ALLOW_OTHER_VLLM_ENV, "0.35.0")
-    with pytest.raises(plugin.VllmVersionError):
-        plugin.check_vllm_version()
-
-
-def test_override_allows_other_version_with_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.34.0")
-    monkeypatch.setenv(plugin.ALLOW_OTHER_VLLM_ENV, "0.34.0")
-    with caplog.at_level(logging.WARNING, logger="vllm_dcp_geometry"):
-        assert plugin.check_vllm_version() == "0.34.0"
-    assert "written for vllm==0.33.0" in caplog.text
-
-
 def import_every_patched_module() -> dict[str, str]:
     """Register, import every vLLM module a patch targets, and return the
     patches applied (all of them)."""
     plugin.register()
-    for patch in declarations().values():
+    for patch in declared_here().values():
         importlib.import_module(patch.upstream_module)
     return plugin.applied_patches()
+
+
+def declared_here() -> dict[str, patching.Patch]:
+    """The patches declared for the installed vLLM release."""
+    release = active_release()
+    return {n: p for n, p in declarations().items() if p.declared_for(release)}
 
 
 def test_register_is_idempotent() -> None:
@@ -155,7 +133,7 @@ def test_register_is_idempotent() -> None:
     before = k.AttentionSpec.__dict__["max_num_blocks_per_req"]
     plugin.register()
     plugin.register()
-    assert set(import_every_patched_module()) == set(PATCH_MODULES)
+    assert set(import_every_patched_module()) == set(declared_here())
     after = k.AttentionSpec.__dict__["max_num_blocks_per_req"]
     assert before is after
     original = patching.original_of(after)
@@ -205,7 +183,7 @@ def test_every_patch_module_documents_itself() -> None:
         assert "Why:" in doc and "Remove when:" in doc, name
         assert patch.why and patch.remove_when and patch.related, name
         assert "~" not in doc, f"{name}: name symbols, not line numbers"
-        assert patch.patched_symbols, name
+        assert all(patch.symbols(r) for r in patch.releases), name
         # The folder says which process runs the patched code.
         assert name.split(".")[-2] in RUNS_IN, name
 

@@ -3,20 +3,23 @@
 """How patches are declared, checked and applied.
 
 Every patch module under ``vllm_dcp_geometry.patches`` declares itself once,
-``PATCH = Patch(...)``: the upstream module it patches, the symbols it
-replaces (``Wrap``, each with the wrapper factory that replaces it) apart from
-those it only relies on (``Pin``), both with the parameter list they were
-written against, the attributes it adds, the patches it must be removed with,
-why, and when it can go. Declaring is applying: ``Patch.install`` verifies
-every pinned symbol, installs the declared wrappers and runs the patch's own
-``apply`` for whatever more it does. Every change made while it applies is
-entered in a ledger (``changes_made_by``), so a test can hold the declaration
-to what was really done. ``plugin.register`` installs each one the moment its
-upstream module is imported (at once if it already is, through
-``import_hooks``), so a process only pays for the vLLM modules it really
-loads. A symbol that is missing or whose parameters changed raises
-``UpstreamChangedError`` (``upstream_symbols``): a patch never switches
-itself off.
+``PATCH = Patch(...)``: the vLLM releases it applies to, the upstream module
+it patches, the symbols it replaces (``Wrap``, each with the wrapper factory
+that replaces it) apart from those it only relies on (``Pin``), both with the
+parameter list they were written against on each release, the attributes it
+adds, the patches it must be removed with, why, and when it can go. Every
+pinned symbol is also held to the source fingerprint recorded for the release
+(``releases.recorded_pins``), so a body that changed behind the same
+parameters refuses as a changed parameter list does. Declaring is applying:
+``Patch.install`` verifies every pinned symbol, installs the declared
+wrappers and runs the patch's own ``apply`` for whatever more it does. Every
+change made while it applies is entered in a ledger (``changes_made_by``), so
+a test can hold the declaration to what was really done.
+``plugin.register`` installs each one the moment its upstream module is
+imported (at once if it already is, through ``import_hooks``), so a process
+only pays for the vLLM modules it really loads. A symbol that is missing,
+whose parameters or whose code changed raises ``UpstreamChangedError``
+(``upstream_symbols``): a patch never switches itself off.
 
 Every change the helpers here make (``wrap``, ``add_attribute``,
 ``rebind_module_references``, ``set_item``) is recorded while an
@@ -34,6 +37,8 @@ from dataclasses import KW_ONLY, dataclass
 from types import ModuleType
 from typing import Any, Literal
 
+from vllm_dcp_geometry._version import SUPPORTED_VLLM_RELEASES
+from vllm_dcp_geometry.runtime.releases import active_release, recorded_pins, symbol_key
 from vllm_dcp_geometry.runtime.upstream_symbols import (
     ORIGINAL_ATTR,
     UpstreamChangedError,
@@ -52,6 +57,18 @@ FACTORY_ATTR = "__vllm_dcp_geometry_factory__"
 WrapperFactory = Callable[..., Callable[..., Any]]
 """``make_wrapper(original, *factory_args) -> wrapper``."""
 
+Parameters = str | None | Mapping[str, str | None]
+"""One parameter list for every release the patch declares, or one per
+release (``{"0.33.0": "self, x", "0.34.0": "self, x, y="}``): a release the
+mapping leaves out does not have the entry (not pinned, not wrapped)."""
+
+
+def parameters_on(parameters: Parameters, release: str) -> tuple[bool, str | None]:
+    """(whether the entry exists on ``release``, its parameter list there)."""
+    if isinstance(parameters, Mapping):
+        return release in parameters, parameters.get(release)
+    return True, parameters
+
 
 # Declarations -------------------------------------------------------------------
 
@@ -65,7 +82,7 @@ class Pin:
     """
 
     qualname: str
-    parameters: str | None = None
+    parameters: Parameters = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +98,7 @@ class Wrap:
     """
 
     qualname: str
-    parameters: str | None = None
+    parameters: Parameters = None
     make_wrapper: WrapperFactory | None = None
     _: KW_ONLY
     factory_args: tuple[Any, ...] = ()
@@ -100,15 +117,18 @@ class Wrap:
 class Patch:
     """One patch module's declaration: what it changes in ``upstream_module``.
 
-    ``replaces``: the symbols it wraps (exactly those); ``relies_on``: those
-    it does not change but whose behaviour it assumes; ``adds``: qualnames
-    it defines anew in the upstream module; ``remove_with``: patch modules
-    (``worker.block_table``) that stop working without this one, and it
-    without them (symmetric); ``apply(module)``: what the patch does beyond
-    its declared wrappers, run after them.
+    ``releases``: the vLLM releases it applies to (a module a release removed
+    has no entry there: not applicable, not refused); ``replaces``: the
+    symbols it wraps (exactly those); ``relies_on``: those it does not change
+    but whose behaviour it assumes, each with its parameters per release;
+    ``adds``: qualnames it defines anew in the upstream module;
+    ``remove_with``: patch modules (``worker.block_table``) that stop working
+    without this one, and it without them (symmetric); ``apply(module)``:
+    what the patch does beyond its declared wrappers, run after them.
     """
 
     upstream_module: str
+    releases: tuple[str, ...] = SUPPORTED_VLLM_RELEASES
     replaces: tuple[Wrap, ...] = ()
     relies_on: tuple[Pin, ...] = ()
     adds: tuple[str, ...] = ()
@@ -128,43 +148,106 @@ class Patch:
                 f"the patch of {self.upstream_module} declares {', '.join(twice)} "
                 "more than once (replaced, relied on or added)"
             )
+        unknown = set(self.releases) - set(SUPPORTED_VLLM_RELEASES)
+        for entry in (*self.replaces, *self.relies_on):
+            if isinstance(entry.parameters, Mapping):
+                unknown |= set(entry.parameters) - set(self.releases)
+        if unknown:
+            raise ValueError(
+                f"the patch of {self.upstream_module} names releases it does not "
+                f"declare or the plugin does not know: {', '.join(sorted(unknown))}"
+            )
+
+    def declared_for(self, release: str) -> bool:
+        return release in self.releases
+
+    def replaces_on(self, release: str) -> tuple[Wrap, ...]:
+        """The wraps that exist on ``release``."""
+        if not self.declared_for(release):
+            return ()
+        return tuple(
+            e for e in self.replaces if parameters_on(e.parameters, release)[0]
+        )
+
+    def relies_on_on(self, release: str) -> tuple[Pin, ...]:
+        """The pins that exist on ``release``."""
+        if not self.declared_for(release):
+            return ()
+        return tuple(
+            e for e in self.relies_on if parameters_on(e.parameters, release)[0]
+        )
+
+    def symbols(
+        self, release: str, *, replaced: bool = True, relied_on: bool = True
+    ) -> tuple[UpstreamSymbol, ...]:
+        """The pinned symbols on ``release``, each with its parameters and the
+        fingerprint recorded for that release (refused where none is)."""
+        entries: list[Pin | Wrap] = []
+        if replaced:
+            entries += self.replaces_on(release)
+        if relied_on:
+            entries += self.relies_on_on(release)
+        recorded = recorded_pins(release)
+        found = []
+        for entry in entries:
+            key = symbol_key(self.upstream_module, entry.qualname)
+            if key not in recorded:
+                raise UpstreamChangedError(
+                    f"vllm-dcp-geometry records no fingerprint of {key} for vLLM "
+                    f"{release}; write the lock file with tools/drift_report.py "
+                    "--write and review it"
+                )
+            found.append(
+                UpstreamSymbol(
+                    self.upstream_module,
+                    entry.qualname,
+                    parameters_on(entry.parameters, release)[1],
+                    recorded[key]["fingerprint"],
+                    release,
+                )
+            )
+        return tuple(found)
 
     @property
     def replaced_symbols(self) -> tuple[UpstreamSymbol, ...]:
-        return tuple(
-            UpstreamSymbol(self.upstream_module, entry.qualname, entry.parameters)
-            for entry in self.replaces
-        )
+        """The replaced symbols on the installed release."""
+        return self.symbols(active_release(), relied_on=False)
 
     @property
     def relied_on_symbols(self) -> tuple[UpstreamSymbol, ...]:
-        return tuple(
-            UpstreamSymbol(self.upstream_module, entry.qualname, entry.parameters)
-            for entry in self.relies_on
-        )
+        """The relied-on symbols on the installed release."""
+        return self.symbols(active_release(), replaced=False)
 
     @property
     def patched_symbols(self) -> tuple[UpstreamSymbol, ...]:
-        """Everything ``verify`` pins: the replaced symbols, then the relied on."""
-        return self.replaced_symbols + self.relied_on_symbols
+        """Everything ``verify`` pins on the installed release: the replaced
+        symbols, then the relied on."""
+        return self.symbols(active_release())
 
-    def verify(self, module: ModuleType) -> None:
+    def verify(self, module: ModuleType, release: str | None = None) -> None:
         """Raise ``UpstreamChangedError`` unless every pinned symbol is as
-        declared in ``module``."""
-        for symbol in self.patched_symbols:
+        declared and recorded for ``release`` (default: the installed one)."""
+        for symbol in self.symbols(release or active_release()):
             verify_symbol(symbol, module)
 
-    def install(self, module: ModuleType) -> None:
-        """Verify ``module``, install the declared wrappers, then run ``apply``
-        (changes recorded: inside ``undo_on_error`` a failure undoes them)."""
+    def install(self, module: ModuleType, release: str | None = None) -> None:
+        """Verify ``module``, install the wrappers declared for ``release``
+        (default: the installed one), then run ``apply`` (changes recorded:
+        inside ``undo_on_error`` a failure undoes them)."""
         if module.__name__ != self.upstream_module:
             raise ValueError(
                 f"the patch of {self.upstream_module} cannot install into "
                 f"{module.__name__}"
             )
-        self.verify(module)
+        release = release or active_release()
+        if not self.declared_for(release):
+            raise ValueError(
+                f"the patch of {self.upstream_module} declares nothing for vLLM "
+                f"{release}"
+            )
+        self.verify(module, release)
         copies: dict[Any, Any] = {}
-        for entry in self.replaces:
+        for entry in self.replaces_on(release):
             if entry.make_wrapper is None:
                 continue
             owner, name, raw = lookup(module, entry.qualname)

@@ -2,10 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """The vLLM symbols a patch pins, and the checks that fail loudly on drift.
 
-A patch is written against one vLLM release: every symbol it replaces or
-relies on is named here with the parameter list it was written against
-(``UpstreamSymbol``), and ``verify_symbol`` refuses one that moved or whose
-parameters changed (``UpstreamChangedError``). ``require_global_call`` and
+A patch is written against the vLLM releases it declares: every symbol it
+replaces or relies on is named here with the parameter list and the source
+fingerprint recorded for the release being checked (``UpstreamSymbol``), and
+``verify_symbol`` refuses one that moved, whose parameters changed or whose
+code changed (``UpstreamChangedError``). ``require_global_call`` and
 ``require_class_path`` pin what a parameter list cannot say. A patch never
 switches itself off: every check raises. No vLLM import here.
 """
@@ -33,11 +34,15 @@ class UpstreamSymbol:
 
     ``parameters`` is the parameter list the patch was written against, as
     ``describe_parameters`` prints it; None checks only that it exists.
+    ``fingerprint`` is its source fingerprint on ``release``
+    (``fingerprints.fingerprint``); None checks no body.
     """
 
     module: str
     qualname: str
     parameters: str | None = None
+    fingerprint: str | None = None
+    release: str | None = None
 
     def __str__(self) -> str:
         return f"{self.module}.{self.qualname}"
@@ -111,11 +116,12 @@ def lookup(module: ModuleType, qualname: str) -> tuple[Any, str, Any]:
 
 
 def verify_symbol(symbol: UpstreamSymbol, module: ModuleType | None = None) -> Any:
-    """Check that ``symbol`` exists with the expected parameters; return it."""
+    """Check that ``symbol`` exists with the expected parameters and code;
+    return it."""
     if module is None:
         module = importlib.import_module(symbol.module)
     try:
-        _, _, raw = lookup(module, symbol.qualname)
+        owner, _, raw = lookup(module, symbol.qualname)
     except AttributeError as exc:
         raise UpstreamChangedError(
             f"vllm-dcp-geometry patches {symbol}, which no longer exists in the "
@@ -128,6 +134,17 @@ def verify_symbol(symbol: UpstreamSymbol, module: ModuleType | None = None) -> A
                 f"vllm-dcp-geometry patches {symbol}, whose parameters changed: "
                 f"expected ({symbol.parameters}), found ({actual}). The plugin "
                 "refuses to run against it."
+            )
+    if symbol.fingerprint is not None:
+        from vllm_dcp_geometry.runtime.fingerprints import fingerprint
+
+        found = fingerprint(owner, raw)
+        if found != symbol.fingerprint:
+            raise UpstreamChangedError(
+                f"vllm-dcp-geometry patches {symbol}, whose code changed: vLLM "
+                f"{symbol.release}'s fingerprint is {symbol.fingerprint}, the "
+                f"installed one is {found}. The plugin refuses to run against it "
+                "(tools/drift_report.py shows every difference)."
             )
     return raw
 

@@ -153,6 +153,8 @@ def _make_multi_group_init(
 
 PATCH = Patch(
     upstream_module="vllm.v1.worker.block_table",
+    # Model Runner V1: vLLM 0.34.0 removed it (not applicable there).
+    releases=("0.33.0",),
     replaces=(
         Wrap(
             "BlockTable.__init__",

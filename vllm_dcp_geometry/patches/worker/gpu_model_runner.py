@@ -126,6 +126,8 @@ def _make_may_reinitialize_input_batch(
 
 PATCH = Patch(
     upstream_module="vllm.v1.worker.gpu_model_runner",
+    # Model Runner V1: vLLM 0.34.0 removed it (not applicable there).
+    releases=("0.33.0",),
     replaces=(
         Wrap(
             "GPUModelRunner.may_reinitialize_input_batch",

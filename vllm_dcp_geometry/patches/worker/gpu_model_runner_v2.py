@@ -131,7 +131,13 @@ PATCH = Patch(
     replaces=(
         Wrap(
             "GPUModelRunner.initialize_kv_cache",
-            "self, kv_cache_config, is_profiling=, kv_cache_allocation_context=",
+            {
+                "0.33.0": "self, kv_cache_config, is_profiling=, "
+                "kv_cache_allocation_context=",
+                # 0.34.0's extensible KV cache: the wrapper forwards it unread.
+                "0.34.0": "self, kv_cache_config, is_profiling=, "
+                "kv_cache_allocation_context=, extensible=",
+            },
             _make_initialize_kv_cache,
         ),
         Wrap("GPUModelRunner.get_kv_cache_spec", "self", make_get_kv_cache_spec),

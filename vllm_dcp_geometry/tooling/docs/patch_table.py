@@ -5,7 +5,10 @@ patch modules' declarations."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from vllm_dcp_geometry.patches import declarations
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
 
 RUNS_IN = {
     "common": "all",
@@ -49,6 +52,22 @@ def _symbol_list(qualnames: list[str]) -> str:
     return ", ".join(cells) or "-"
 
 
+def _per_release_note(patch: Patch, entries: Sequence[Pin | Wrap]) -> str:
+    """Which entries exist on some of the patch's releases only, and which
+    have parameters of their own per release."""
+    notes = []
+    for entry in entries:
+        parameters = entry.parameters
+        if not isinstance(parameters, Mapping):
+            continue
+        on = [r for r in patch.releases if r in parameters]
+        if len(on) < len(patch.releases):
+            notes.append(f"`{entry.qualname}` on {', '.join(on)} only")
+        elif len(set(parameters.values())) > 1:
+            notes.append(f"`{entry.qualname}` parameters per release")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def patch_table_markdown() -> str:
     """The README's tables of patched vLLM symbols and side channels,
     generated from the modules' declarations."""
@@ -57,17 +76,21 @@ def patch_table_markdown() -> str:
     rows = [
         shared_modules_sentence(),
         "",
-        "| runs in | vLLM module | replaces | relies on | adds | remove with | why "
-        "| remove when | related |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| runs in | vLLM releases | vLLM module | replaces | relies on | adds "
+        "| remove with | why | remove when | related |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, patch in declarations().items():
         replaces = _symbol_list([entry.qualname for entry in patch.replaces])
         relies = _symbol_list([entry.qualname for entry in patch.relies_on])
+        replaces += _per_release_note(patch, patch.replaces)
+        relies += _per_release_note(patch, patch.relies_on)
         adds = _symbol_list(list(patch.adds))
         partners = ", ".join(f"`{p}`" for p in patch.remove_with) or "-"
+        releases = ", ".join(patch.releases)
         rows.append(
-            f"| {runs_in(name)} | `{patch.upstream_module}` | {replaces} | {relies} "
+            f"| {runs_in(name)} | {releases} | `{patch.upstream_module}` | {replaces} "
+            f"| {relies} "
             f"| {adds} | {partners} | {patch.why} | {patch.remove_when} "
             f"| {patch.related} |"
         )
