@@ -30,6 +30,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_dcp_geometry.patches.worker.gpu_model_runner",
     "vllm_dcp_geometry.patches.worker.gpu_block_table",
     "vllm_dcp_geometry.patches.worker.gpu_model_runner_v2",
+    "vllm_dcp_geometry.patches.worker.gpu_warmup",
     "vllm_dcp_geometry.patches.worker.dflash_speculator",
     "vllm_dcp_geometry.patches.engine_core.kv_cache_utils",
     "vllm_dcp_geometry.patches.engine_core.single_type_kv_cache_manager",

@@ -17,8 +17,12 @@ generated (no source of its own), the class that generates it; for an object
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
 import hashlib
 import inspect
+import linecache
+import sys
 import textwrap
 from typing import Any
 
@@ -45,11 +49,43 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
+def _tree_digest(tree: ast.Module) -> str:
+    dumped = ast.dump(
+        _strip_docstrings(tree), annotate_fields=True, include_attributes=False
+    )
+    return hashlib.sha256(dumped.encode()).hexdigest()[:FINGERPRINT_LENGTH]
+
+
 def source_digest(source: str) -> str:
     """The fingerprint of a piece of Python source (indented or not)."""
-    tree = _strip_docstrings(ast.parse(textwrap.dedent(source)))
-    dumped = ast.dump(tree, annotate_fields=True, include_attributes=False)
-    return hashlib.sha256(dumped.encode()).hexdigest()[:FINGERPRINT_LENGTH]
+    return _tree_digest(ast.parse(textwrap.dedent(source)))
+
+
+@functools.lru_cache(maxsize=8)
+def _module_tree(filename: str) -> ast.Module:
+    with open(filename, encoding="utf-8") as source:
+        return ast.parse(source.read())
+
+
+def class_digest(cls: type) -> str:
+    """The fingerprint of a class's source, found in its module's syntax tree
+    (parsed once per module: ``inspect.getsource`` parses the whole module
+    again for every class, which start-up cannot afford)."""
+    module = sys.modules.get(cls.__module__)
+    filename = getattr(module, "__file__", None)
+    node: ast.AST | None = _module_tree(filename) if filename else None
+    for name in cls.__qualname__.split("."):
+        body = getattr(node, "body", [])
+        node = next(
+            (n for n in body if isinstance(n, ast.ClassDef) and n.name == name),
+            None,
+        )
+    if not isinstance(node, ast.ClassDef) or filename is None:
+        # Defined at run time: let inspect find it or fail.
+        return source_digest(inspect.getsource(cls))
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    lines = linecache.getlines(filename)[first - 1 : node.end_lineno]
+    return source_digest("".join(lines))
 
 
 def _value_digest(value: Any) -> str:
@@ -57,7 +93,7 @@ def _value_digest(value: Any) -> str:
     if cls.__module__ != "builtins":
         # An object (a kernel launcher, say): its class's code and the kernel
         # it launches say what it does; its repr would name an address.
-        parts = [source_digest(inspect.getsource(cls))]
+        parts = [class_digest(cls)]
         kernel_fn = getattr(getattr(value, "kernel", None), "fn", None)
         if kernel_fn is not None:
             parts.append(source_digest(inspect.getsource(kernel_fn)))
@@ -88,11 +124,14 @@ def fingerprint(owner: Any, raw: Any) -> str:
     target = _source_object(owner, raw)
     if target is None:
         return _value_digest(raw)
-    try:
-        source = inspect.getsource(target)
-    except (OSError, TypeError):
-        if not inspect.isclass(owner):
-            raise
+    if inspect.isclass(target):
+        return class_digest(target)
+    code = getattr(target, "__code__", None)
+    generated = code is not None and (
+        code.co_filename.startswith("<") or code.co_filename == dataclasses.__file__
+    )
+    if generated and inspect.isclass(owner):
         # A method a dataclass generated: its class's source says what it does.
-        return "class:" + source_digest(inspect.getsource(owner))
-    return source_digest(source)
+        return "class:" + class_digest(owner)
+    # inspect reads a function's own lines (behind functools.wraps) only.
+    return source_digest(inspect.getsource(target))
