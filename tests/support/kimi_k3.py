@@ -13,12 +13,16 @@ layer's own ``_attention``. Stood in for: the four
 ``torch.ops._C.fused_kimi_k3_*`` CUDA ops behind the layer's real Python
 wrappers (checked against plain torch in ``test_kimi_k3_layer``), the forward
 context, and what ``tests.support.mla`` stands in for. Importable without the
-plugin, so the unpatched baseline runs the same code.
+plugin, so the unpatched baseline runs the same code. On vLLM 0.34.0 the
+layer also gets the ``act_dtype`` and ``W_UV_dcp`` its ``__init__`` sets
+there, and ``comm_backend`` reaches the config (``"a2a"``: the fused
+up-projection).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,6 +42,7 @@ from tests.support.mla import (
     make_batch,
     make_ranks,
     mla_spec,
+    process_weights,
     rank_results,
     recording,
     replaced,
@@ -100,7 +105,14 @@ def kimi_k3_layer(mla_layer: Any, vllm_config: Any, shape: Shape) -> Any:
     layer.dcp_manager = mla_layer.dcp_manager
     layer.prefill_backend = mla_layer.prefill_backend
     layer.kv_cache = torch.tensor([])
-    layer.process_weights_after_loading(shape.dtype)
+    # Set by vLLM 0.34.0's __init__ only: the activation dtype its weight
+    # processing reads, and the fused a2a up-projection it may gather.
+    init = inspect.getsource(MultiHeadLatentAttention.__init__)
+    if "self.act_dtype = " in init:
+        layer.act_dtype = shape.dtype
+    if "self.W_UV_dcp: " in init:
+        layer.W_UV_dcp = None
+    process_weights(layer, shape.dtype)
     return layer
 
 
@@ -115,6 +127,7 @@ def make_kimi_ranks(
     additional_config: dict[str, Any] | None = None,
     backend_name: str = "TRITON_MLA",
     partial_collectives: str | None = None,
+    comm_backend: str = "ag_rs",
 ) -> tuple[list[Rank], list[Any]]:
     """The ranks of ``tests.support.mla.make_ranks`` with Kimi-K3's layer in
     the forward context before the builders (and the plugin's binding) see
@@ -138,6 +151,7 @@ def make_kimi_ranks(
         backend_name=backend_name,
         coop=coop,
         configure=configure,
+        comm_backend=comm_backend,
         partial_collectives=partial_collectives,
     )
     for rank, layer in zip(ranks, layers, strict=True):
@@ -250,6 +264,7 @@ def run_kimi_case(
     shape: Shape = CPU,
     backend_name: str = "TRITON_MLA",
     partial_collectives: str | None = None,
+    comm_backend: str = "ag_rs",
 ) -> dict[str, Any]:
     """One (D, K, I) case through Kimi-K3's layer (a partial K within
     simulated replica groups unless ``partial_collectives`` is ``"dcp"``), evaluated against the
@@ -275,6 +290,7 @@ def run_kimi_case(
             coop=coop,
             backend_name=backend_name,
             partial_collectives=partial_collectives if patched else None,
+            comm_backend=comm_backend,
         )
         results = kimi_forward(batch, ranks, layers, coop, shard_count)
     report = evaluate(batch, results)

@@ -13,6 +13,13 @@ collective, so the real query all-gather, LSE combine and context KV
 all-gather see their peers), and ``run_case``: one (D, K, I) case evaluated
 against the reference. Importable without the plugin, so the unpatched
 baseline runs the very same code in a fresh process.
+
+vLLM 0.34.0: every rank's model is loaded before any builder is made, as a
+worker does, so the weights 0.34.0 all-gathers over the DCP ranks at load
+(``W_UV_dcp`` for the a2a up-projection, ``W_UK_T_dcp_qrep``) hold every
+rank's (``gathers_at_load``, ``complete_load_gathers``) before the plugin's
+binding sees the layers; its ``process_weights_after_loading`` takes no
+dtype (``process_weights``).
 """
 
 from __future__ import annotations
@@ -469,18 +476,75 @@ class Rank:
     kv_cache: torch.Tensor
 
 
+def process_weights(layer: Any, dtype: torch.dtype) -> None:
+    """``layer.process_weights_after_loading``: vLLM 0.33.0's takes the
+    activation dtype, 0.34.0's reads the layer's own ``act_dtype``."""
+    import inspect
+
+    if len(inspect.signature(layer.process_weights_after_loading).parameters):
+        layer.process_weights_after_loading(dtype)
+    else:
+        layer.process_weights_after_loading()
+
+
 def make_layer(vllm_config: Any, batch: Batch, rank: int, backend: Any) -> Any:
+    import inspect
+
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
     shape = batch.shape
-    return build_mla_layer(
-        vllm_config,
-        shape,
-        kv_b_weight=batch.kv_b_weight,
-        rank=rank,
-        backend=backend,
-        dtype=shape.dtype,
-        device=shape.device,
-        layer_name=LAYER,
-    )
+    process = MLAAttention.process_weights_after_loading
+    takes_dtype = len(inspect.signature(process).parameters) > 1
+
+    def process_weights_after_loading(self: Any, *dtype: Any) -> None:
+        # The library's builder passes the dtype, which 0.34.0 no longer takes.
+        process(self, *dtype) if takes_dtype else process(self)
+
+    with replaced(
+        MLAAttention, "process_weights_after_loading", process_weights_after_loading
+    ):
+        return build_mla_layer(
+            vllm_config,
+            shape,
+            kv_b_weight=batch.kv_b_weight,
+            rank=rank,
+            backend=backend,
+            dtype=shape.dtype,
+            device=shape.device,
+            layer_name=LAYER,
+        )
+
+
+@contextmanager
+def gathers_at_load(group: SimulatedGroup) -> Iterator[None]:
+    """While one rank's layers are built (ranks are built one after the
+    other), the DCP group's ``all_gather`` - vLLM 0.34.0's gathers of
+    ``W_UV_dcp`` / ``W_UK_T_dcp_qrep`` at weight load - returns this rank's
+    tensor D times, the right shape; ``complete_load_gathers`` then writes
+    every rank's tensors in."""
+
+    def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat([tensor] * group.world_size, dim=dim)
+
+    with replaced(group, "all_gather", all_gather):
+        yield
+
+
+LOAD_GATHERS = {"W_UV_dcp": "W_UV", "W_UK_T_dcp_qrep": "W_UK_T"}
+"""vLLM 0.34.0's weights all-gathered over the DCP ranks at load (dim 0)."""
+
+
+def complete_load_gathers(layers_by_rank: Sequence[Sequence[Any]]) -> None:
+    """What the load-time all-gathers give every rank of a D-rank world
+    (``layers_by_rank[r]``: rank r's layers, the same kinds in the same
+    order): each rank's weights in DCP rank order. Nothing on 0.33.0."""
+    for same in zip(*layers_by_rank, strict=True):
+        for gathered, local in LOAD_GATHERS.items():
+            if getattr(same[0], gathered, None) is None:
+                continue
+            value = torch.cat([getattr(layer, local).detach() for layer in same])
+            for layer in same:
+                getattr(layer, gathered).data.copy_(value)
 
 
 def write_cache(batch: Batch, shard_count: int, interleave: int, shard: int) -> Any:
@@ -549,11 +613,15 @@ def make_ranks(
     replicas = [shard_count] if 1 < shard_count < dcp else []
     if partial_collectives == "dcp" or not replicas_made:
         replicas = []
+    # The model (weights loaded) on every rank first, as workers load it
+    # before their KV caches and builders exist.
+    loaded = []
     for r in range(dcp) if only is None else only:
-        group = SimulatedGroup(coop, dcp, r)
+        groups = SimulatedGroup(coop, dcp, r), SimulatedGroup(coop, dcp, r)
         with (
-            process_groups(group, SimulatedGroup(coop, dcp, r)),
-            replica_groups_of(group, replicas, make_replica),
+            process_groups(*groups),
+            replica_groups_of(groups[0], replicas, make_replica),
+            gathers_at_load(groups[0]),
         ):
             vllm_config = mla_model_config(
                 path, dcp, interleave, shape, comm_backend, partial_collectives
@@ -561,6 +629,15 @@ def make_ranks(
             layer = make_layer(vllm_config, batch, r, backend)
             if configure is not None:
                 configure(vllm_config)
+        context = vllm_config.compilation_config.static_forward_context
+        loaded.append((r, groups, vllm_config, [layer, context[LAYER]]))
+    if only is None:
+        complete_load_gathers([layers for *_, layers in loaded])
+    for r, groups, vllm_config, (layer, _) in loaded:
+        with (
+            process_groups(*groups),
+            replica_groups_of(groups[0], replicas, make_replica),
+        ):
             attn_group = AttentionGroup(backend, [LAYER], spec, 0)
             attn_group.create_metadata_builders(vllm_config, torch.device(shape.device))
         cache = write_cache(batch, shard_count, interleave, r % shard_count)

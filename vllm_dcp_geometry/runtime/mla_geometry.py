@@ -29,6 +29,16 @@ group with K shards reads its cache with K:
   combine, and kernels that take ``cp_world_size``/``cp_rank`` get
   ``(K, r % K)``.
 
+vLLM 0.34.0: with ``dcp_comm_backend="a2a"`` (and no PCP) the layer's
+``MLADCPManager`` carries ``v_up_proj_combine`` and the layer (vLLM's
+``MLAAttention``, Kimi-K3's) a ``W_UV_dcp`` all-gathered over the D-rank DCP
+group at weight load; the layer then combines and up-projects in one step
+that neither follows a replica's K ranks nor the replica mask. Binding a
+partial group clears both (``drop_fused_up_projection``), so the layer takes
+``combine`` + ``_v_up_proj`` - the replica manager's or the masked one. On
+0.33.0 neither exists and nothing is touched; K = 1 never combines and
+K = D is never bound.
+
 vLLM is imported inside the functions that need it.
 """
 
@@ -200,12 +210,35 @@ def replica_manager(manager: Any, replica: Any, what: str) -> Any:
     return twin
 
 
+def drop_fused_up_projection(layer: Any, manager: Any) -> None:
+    """A bound partial MLA layer (1 < K < D) combines, then up-projects
+    its own heads.
+
+    vLLM 0.34.0's a2a combine-and-up-project pairs the gathered heads with
+    ``layer.W_UV_dcp``, the ``W_UV`` of all D ranks in DCP rank order: within
+    a replica the query gather yields K*H heads (a batch-size error from 8
+    rows, another rank's heads on replicas q >= 1 below), and on the D-wide
+    group it skips the replica mask. Invariant after this: the layer holds no
+    gathered ``W_UV`` (freed) and ``manager`` - the one it combines with - no
+    ``v_up_proj_combine``, so ``forward_impl`` / ``_attention`` take
+    ``combine`` + ``_v_up_proj``, and a weight reload (its
+    ``process_weights_after_loading`` gathers only where the manager has one)
+    does not gather it again. Only attributes that exist are set: nothing
+    is added on 0.33.0."""
+    if getattr(layer, "W_UV_dcp", None) is not None:
+        layer.W_UV_dcp = None
+    if getattr(manager, "v_up_proj_combine", None) is not None:
+        manager.v_up_proj_combine = None
+
+
 def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None:
     """Give an MLA layer's impl (built with the model) its group's geometry;
     idempotent for the same geometry, an error for another. A partial group
     bound within its replica (``group_context.current_replica_group``) gets
     a replica DCP manager and runs with the replica's world; otherwise its
-    D-wide combine is replica-masked."""
+    D-wide combine is replica-masked. Either way a partial layer drops
+    vLLM 0.34.0's fused a2a up-projection (``drop_fused_up_projection``):
+    it combines with that manager, then up-projects its own heads."""
     impl = layer.impl
     what = f"the MLA attention impl of layer {layer_name}"
     if check_rebind(impl, geometry, what):
@@ -226,6 +259,8 @@ def bind_mla_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> None
             impl.total_cp_world_size, impl.total_cp_rank = geometry.shard_world
         else:
             manager.combine = mask_combine(manager.combine, geometry.replica)
+        if geometry.is_partial:
+            drop_fused_up_projection(layer, layer.dcp_manager)
     impl.forward_mqa = ShardWorldForwardMqa(impl, impl.forward_mqa, geometry)
     setattr(impl, BOUND_GEOMETRY_ATTR, geometry)
 

@@ -149,7 +149,8 @@ class Patch:
                 "more than once (replaced, relied on or added)"
             )
         unknown = set(self.releases) - set(SUPPORTED_VLLM_RELEASES)
-        for entry in (*self.replaces, *self.relies_on):
+        entries: tuple[Pin | Wrap, ...] = (*self.replaces, *self.relies_on)
+        for entry in entries:
             if isinstance(entry.parameters, Mapping):
                 unknown |= set(entry.parameters) - set(self.releases)
         if unknown:

@@ -138,7 +138,14 @@ def verify_symbol(symbol: UpstreamSymbol, module: ModuleType | None = None) -> A
     if symbol.fingerprint is not None:
         from vllm_dcp_geometry.runtime.fingerprints import fingerprint
 
-        found = fingerprint(owner, raw)
+        try:
+            found = fingerprint(owner, raw)
+        except (OSError, TypeError) as exc:
+            raise UpstreamChangedError(
+                f"vllm-dcp-geometry patches {symbol}, whose source cannot be "
+                f"read to check it against vLLM {symbol.release}'s ({exc}). The "
+                "plugin refuses to run against code it cannot check."
+            ) from exc
         if found != symbol.fingerprint:
             raise UpstreamChangedError(
                 f"vllm-dcp-geometry patches {symbol}, whose code changed: vLLM "

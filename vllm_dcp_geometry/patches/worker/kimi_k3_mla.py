@@ -18,6 +18,15 @@ exactly as ``MLAAttention``) or D on the D-wide group (the D-wide gather and
 the replica-masked combine).
 Nothing is wrapped; the layer's forward methods it relies on are pinned.
 
+vLLM 0.34.0: under ``dcp_comm_backend="a2a"`` ``_attention`` combines and
+up-projects in one step wherever the layer holds a ``W_UV_dcp`` (its
+``W_UV`` gathered at load over its manager's group, the D ranks); a partial
+layer is bound without it and without its manager's ``v_up_proj_combine``
+(``mla_geometry.drop_fused_up_projection``, through ``bind_mla_layer``), so
+it combines with the replica manager or the masked combine, then runs
+``_v_up_proj`` on its own heads. The binder checks that it did.
+``process_weights_after_loading`` (the gather) is relied on there.
+
 Why: the class is not vLLM's ``MLAAttention``: it decides its DCP path on its
 own ``dcp_world_size`` (from the parallel config), so a local impl alone
 leaves it all-gathering D*H query heads and asserting on a missing LSE.
@@ -56,6 +65,12 @@ def bind_kimi_k3_layer(layer: Any, geometry: GroupGeometry, layer_name: str) -> 
         )
     bind_mla_layer(layer, geometry, layer_name)
     layer.dcp_world_size = layer.impl.dcp_world_size
+    if geometry.is_partial and getattr(layer, "W_UV_dcp", None) is not None:
+        # _attention takes the fused a2a up-projection on this attribute alone.
+        raise DcpGeometryError(
+            f"{geometry.describe()}: layer {layer_name} ({KIMI_K3_MLA}) kept "
+            "W_UV_dcp, the up-projection of all D ranks' heads, after binding"
+        )
 
 
 def apply(module: ModuleType) -> None:
@@ -66,7 +81,9 @@ def apply(module: ModuleType) -> None:
 PATCH = Patch(
     upstream_module="vllm.models.kimi_k3.nvidia.mla",
     relies_on=(
-        # Relied on: the three places the layer reads its own dcp_world_size.
+        # Relied on: the three places the layer reads its own dcp_world_size;
+        # on 0.34.0 _attention also takes the fused a2a up-projection wherever
+        # W_UV_dcp is set (cleared for a partial group).
         Pin(
             "MultiHeadLatentAttention._attention",
             "self, positions, q, kv_c_normed, k_pe, attn_out",
@@ -79,6 +96,12 @@ PATCH = Patch(
         Pin(
             "MultiHeadLatentAttention._compute_prefill_context",
             "self, q, attn_metadata",
+        ),
+        # Relied on (0.34.0): W_UV_dcp is gathered at load only where the
+        # layer's manager has a v_up_proj_combine (see the binding).
+        Pin(
+            "MultiHeadLatentAttention.process_weights_after_loading",
+            {"0.34.0": "self"},
         ),
     ),
     remove_with=("worker.mla_attention",),

@@ -33,6 +33,17 @@ the group's MLA layers (``mla_geometry``):
   planned over K shards; the layer's combine masks duplicate replicas; the
   decode kernels get ``(K, r % K)`` as their cp world.
 
+vLLM 0.34.0: with ``dcp_comm_backend="a2a"`` the layer combines and
+up-projects in one step (``MLADCPManager.v_up_proj_combine`` with a
+``W_UV_dcp`` gathered over the D ranks at load), which matches neither a
+replica's K-rank gather nor the replica mask; binding a partial group clears
+both (``mla_geometry.drop_fused_up_projection``), so the layer combines as
+above, then up-projects its own heads. ``forward_impl`` is pinned with its
+0.34.0 parameters (``mqa_q_prepared=``) and ``process_weights_after_loading``
+(the load-time gather) is relied on there. DCP query replication
+(``W_UK_T_dcp_qrep``) brings all D ranks' heads to each rank; admission
+refuses it below K = D, as on 0.33.0.
+
 Why: vLLM 0.33.0's MLA takes D from the DCP group whatever the spec says, so
 a replicated or partial MLA cache is read as if sharded over D: wrong
 lengths, a wrong combine and a wrong context gather, silently.
@@ -135,6 +146,12 @@ def _batch_bound_without_decodes(metadata: Any, common_attn_metadata: Any) -> No
         metadata.max_seq_len = common_attn_metadata.max_seq_len
 
 
+FORWARD_IMPL_PARAMETERS = (
+    "self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, output_scale=, "
+    "output_block_scale=, quant_group_size=, quant_scale_ue8m0=, quant_col_major=, "
+    "quant_tma_aligned=, q_dcp_replicated="
+)
+
 PATCH = Patch(
     upstream_module="vllm.model_executor.layers.attention.mla_attention",
     replaces=(
@@ -168,8 +185,20 @@ PATCH = Patch(
     relies_on=(
         # Relied on: the layer reads impl.dcp_world_size, dcp_manager.combine and
         # impl.forward_mqa; the context path splits its workspace by the impl's
-        # D and reorganises K shards from the gather.
-        Pin("MLAAttention.forward_impl"),
+        # D and reorganises K shards from the gather. On 0.34.0 it combines
+        # through dcp_manager.v_up_proj_combine instead wherever W_UV_dcp is
+        # set, which the binding clears for a partial group.
+        Pin(
+            "MLAAttention.forward_impl",
+            {
+                "0.33.0": FORWARD_IMPL_PARAMETERS,
+                "0.34.0": FORWARD_IMPL_PARAMETERS + ", mqa_q_prepared=",
+            },
+        ),
+        # Relied on (0.34.0): W_UV_dcp is gathered at load only where the
+        # layer's manager has a v_up_proj_combine, so a reload after the
+        # binding cleared both gathers nothing.
+        Pin("MLAAttention.process_weights_after_loading", {"0.34.0": "self"}),
         Pin(
             "MLACommonBaseImpl._context_parallel_compute_prefill_context",
             "self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, dcp_world_size, "

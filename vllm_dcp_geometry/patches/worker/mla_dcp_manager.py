@@ -21,6 +21,11 @@ Why: the manager takes its group from ``get_dcp_group()`` when the model is
 built, before any KV-cache spec exists, and every MLA layer class (vLLM's
 ``MLAAttention``, Kimi-K3's) builds it with its own arguments.
 
+vLLM 0.34.0: under ``dcp_comm_backend="a2a"`` a manager (the replica's
+too) also gets ``v_up_proj_combine`` (``_init_combine``), which the binding
+of a partial layer clears again: the up-projection it applies holds all D
+ranks' heads.
+
 Hand-back: outside a replica binding ``get_dcp_group`` is upstream's; the
 constructor runs upstream's after keeping its arguments, and registers
 nothing more where no replica group was made.
@@ -67,6 +72,13 @@ PATCH = Patch(
         Pin("MLADCPManager.init_kv_gather", "self, workspace, max_gathered_tokens"),
         Pin("cp_lse_ag_out_rs"),
         Pin("dcp_a2a_lse_reduce"),
+        # Relied on (0.34.0): v_up_proj_combine is set here alone, and a
+        # partial layer's binding clears it (mla_geometry.
+        # drop_fused_up_projection).
+        Pin(
+            "MLADCPManager._init_combine",
+            {"0.34.0": "self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp"},
+        ),
         # Relied on: the replica warm-ups register with vLLM's own kernel.
         Pin("_CORRECT_ATTN_CP_OUT_KERNEL"),
         Pin(

@@ -19,7 +19,7 @@ from typing import Any
 from vllm_dcp_geometry._version import SUPPORTED_VLLM_RELEASES, installed_vllm_version
 from vllm_dcp_geometry.patches import declarations
 from vllm_dcp_geometry.runtime.fingerprints import fingerprint
-from vllm_dcp_geometry.runtime.patching import Patch, parameters_on
+from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap, parameters_on
 from vllm_dcp_geometry.runtime.releases import lock_file, recorded_pins, symbol_key
 from vllm_dcp_geometry.runtime.upstream_symbols import describe_parameters, lookup
 
@@ -59,7 +59,10 @@ def observe(module_name: str, qualname: str) -> Observed:
 def declared_entries(patch: Patch, release: str) -> list[tuple[str, str | None]]:
     """(qualname, declared parameters) of every entry ``patch`` has on
     ``release``."""
-    entries = (*patch.replaces_on(release), *patch.relies_on_on(release))
+    entries: tuple[Pin | Wrap, ...] = (
+        *patch.replaces_on(release),
+        *patch.relies_on_on(release),
+    )
     return [(e.qualname, parameters_on(e.parameters, release)[1]) for e in entries]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dcp_geometry._version import SUPPORTED_VLLM_RELEASES, installed_vllm_version
+from vllm_dcp_geometry.runtime.patching import PATCH_PACKAGE
 from vllm_dcp_geometry.runtime.releases import lock_file
 from vllm_dcp_geometry.tooling.drift.pins import (
     compare,
@@ -50,7 +51,7 @@ def symbol_rows(against: tuple[str, ...]) -> list[dict[str, Any]]:
         else:
             status = list(pinned.values())[-1]
         row: dict[str, Any] = {
-            "patch": patch_module.removeprefix("vllm_dcp_geometry.patches."),
+            "patch": patch_module.removeprefix(PATCH_PACKAGE + "."),
             "symbol": f"{module}.{qualname}",
             "status": status,
             "against": statuses,
