@@ -226,3 +226,113 @@ def test_a_replicated_impl_under_pcp_is_not_left_on_the_dcp_path() -> None:
     assert (impl.dcp_world_size, impl.dcp_rank, impl.total_cp_world_size) == (1, 0, 1)
     with pytest.raises(DcpGeometryError, match="PCP=2"):
         make_impl_local(SimpleNamespace(dcp_world_size=4, dcp_rank=3, pcp_world_size=2))
+
+
+# Classes and backends refused by name (vLLM 0.34.0's new DCP readers) -----------
+
+KIMI_K3_DSA = "vllm.models.kimi_k3.nvidia.dsa.KimiK3DSAAttention"
+KIMI_K3_INDEXER_CACHE = "vllm.models.kimi_k3.common.dsa_cache.KimiK3IndexerCache"
+KIMI_K3_INDEXER_BUILDER = (
+    "vllm.models.kimi_k3.common.dsa_cache.KimiK3IndexerMetadataBuilder"
+)
+
+
+@pytest.mark.parametrize(
+    ("layer_class", "backend", "words"),
+    [
+        (
+            KIMI_K3_DSA,
+            "FLASHMLA_SPARSE",
+            "Kimi-K3.1's DSA attention (KimiK3DSAAttention)",
+        ),
+        (
+            KIMI_K3_DSA,
+            "FLASHINFER_MLA_SPARSE",
+            "Kimi-K3.1's DSA attention (KimiK3DSAAttention)",
+        ),
+        (
+            KIMI_K3_INDEXER_CACHE,
+            f"DEEPSEEK_V32_INDEXER ({KIMI_K3_INDEXER_BUILDER})",
+            "Kimi-K3.1's DSA indexer cache (KimiK3IndexerCache)",
+        ),
+        (
+            "vllm.models.mistral.nvidia.attention._MistralMLA",
+            "FLASHMLA_SPARSE",
+            "Mistral Large 4's MLA (_MistralMLA)",
+        ),
+        (
+            "vllm.models.mistral.nvidia.indexer.MistralIndexerCache",
+            "DEEPSEEK_V32_INDEXER",
+            "Mistral Large 4's indexer cache (MistralIndexerCache)",
+        ),
+        (
+            "vllm.models.glm5next.common.attention.Glm5NextIndexerCache",
+            "DEEPSEEK_V32_INDEXER",
+            "GLM-5.3-Flash's kpool indexer cache (Glm5NextIndexerCache)",
+        ),
+    ],
+)
+def test_classes_refused_by_name_run_only_vllms_k(
+    layer_class: str, backend: str, words: str
+) -> None:
+    """Fail closed: K = 1 and a partial K are refused on a taught backend,
+    the message naming the model's class and why; vLLM's own K runs."""
+    for k in (1, 2, 4):
+        message = _refusal(
+            admit(MLA, backend, k, 8, layer_class=layer_class, layer_name="l.0")
+        )
+        assert f"layer l.0 ({layer_class}), attention backend {backend}" in message
+        assert f"{words} is not taught per-group DCP shard counts: " in message
+        assert "vLLM's K=8; use K=8 for this layer" in message
+    admitted = admit(MLA, backend, 8, 8, layer_class=layer_class, layer_name="l.0")
+    assert admitted.mode is AttentionMode.DCP
+
+
+def test_kimi_k3_dsa_refusal_says_why() -> None:
+    message = _refusal(
+        admit(MLA, "FLASHMLA_SPARSE", 1, 16, layer_class=KIMI_K3_DSA, layer_name="x")
+    )
+    assert "init_dcp_topk_merge" in message and "at construction" in message
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend", "words"),
+    [
+        (MLA, "KIMI_K3_KV_BALANCED_MLA", "Kimi-K3's KV-balanced MLA backend"),
+        (
+            MLA,
+            f"DEEPSEEK_V32_INDEXER ({KIMI_K3_INDEXER_BUILDER})",
+            "Kimi-K3.1's DSA indexer builder",
+        ),
+        (MLA, KIMI_K3_INDEXER_BUILDER, "Kimi-K3.1's DSA indexer builder"),
+        (ATTN, "FLASHINFER_TS", "FlashInfer TS"),
+        (
+            ATTN,
+            "TRITON_ATTN (vllm.model_executor.layers.dash_attention."
+            "DASHAttentionMetadataBuilder)",
+            "DASHAttention's TRITON_ATTN builder",
+        ),
+    ],
+)
+def test_backends_refused_by_name_run_only_vllms_k(
+    kind: AttentionKind, backend: str, words: str
+) -> None:
+    """On vLLM's generic layer too: the backend is named with its reason."""
+    message = _refusal(admit(kind, backend, 2, 8))
+    assert f"attention backend {backend}, K=2, D=8" in message
+    assert f"{words} is not taught per-group DCP shard counts: " in message
+    assert admit(kind, backend, 8, 8).mode is AttentionMode.DCP
+
+
+def test_specialized_decode_refusal_names_the_drafter() -> None:
+    message = _refusal(
+        admit(
+            MLA,
+            "FLASHINFER_MLA",
+            2,
+            8,
+            layer_class="vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention",
+            specialized_decode=True,
+        )
+    )
+    assert "latency_specialized" in message and "DraftDcp" in message

@@ -5,7 +5,8 @@ runs only a K its code reads the cache with (taught or refused at start-up).
 
 The audit walk parses vLLM's installed model sources (no import: several
 need CUDA) for classes that read the DCP world themselves, and fails on one
-that ``layer_classes`` neither teaches nor lists."""
+that ``layer_classes`` neither teaches nor lists in the installed release's
+audit."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.support.attention import (
     set_dcp_group,
     tiny_model_config,
 )
+from vllm_dcp_geometry._version import SUPPORTED_VLLM_RELEASES, installed_vllm_version
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.contract.attention_admission import (
     AttentionMode,
@@ -35,12 +37,14 @@ from vllm_dcp_geometry.contract.attention_admission import (
 from vllm_dcp_geometry.contract.layer_classes import (
     FLINT_ATTENTION,
     LAYER_CLASS_ATTR,
+    REFUSED_LAYERS,
     TAUGHT_LAYERS,
 )
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.tooling.docs.layer_class_audit import (
     AUDITED_CLASSES,
     Disposition,
+    audited_classes,
 )
 
 pytestmark = pytest.mark.patches(
@@ -93,15 +97,22 @@ def dcp_reading_classes(root: Path, package: str = "vllm") -> dict[str, str]:
     return found
 
 
+def installed_audit() -> dict[str, Any]:
+    """The audit of the installed vLLM release."""
+    release = installed_vllm_version()
+    assert release in SUPPORTED_VLLM_RELEASES, release
+    return audited_classes(release)
+
+
 def unaccounted(found: dict[str, str]) -> list[str]:
-    return sorted(set(found) - set(AUDITED_CLASSES) - set(TAUGHT_LAYERS))
+    return sorted(set(found) - set(installed_audit()) - set(TAUGHT_LAYERS))
 
 
 def test_every_dcp_reading_model_class_is_taught_or_listed() -> None:
     found = dcp_reading_classes(vllm_root())
     assert len(found) >= 20, found
     assert unaccounted(found) == []
-    # Every class the plugin names exists in the installed vLLM.
+    # Every class the plugin names for this release exists in it.
     defined = set()
     for tree_name in (*MODEL_TREES, "model_executor/layers"):
         for path in (vllm_root() / tree_name).rglob("*.py"):
@@ -111,7 +122,7 @@ def test_every_dcp_reading_model_class_is_taught_or_listed() -> None:
             defined |= {
                 f"{module}.{q}" for q, _ in _classes(ast.parse(path.read_text()))
             }
-    assert sorted((set(AUDITED_CLASSES) | set(TAUGHT_LAYERS)) - defined) == []
+    assert sorted((set(installed_audit()) | set(TAUGHT_LAYERS)) - defined) == []
 
 
 def test_the_audit_walk_catches_a_new_model_class(tmp_path: Path) -> None:
@@ -133,9 +144,20 @@ def test_the_audit_walk_catches_a_new_model_class(tmp_path: Path) -> None:
 def test_audited_dispositions_say_what_happens() -> None:
     for entry in AUDITED_CLASSES.values():
         assert entry.note, entry
+        assert entry.releases and entry.releases <= set(SUPPORTED_VLLM_RELEASES)
         assert (entry.disposition is Disposition.TAUGHT) == (
             entry.path in TAUGHT_LAYERS
         ), entry
+
+
+def test_every_class_refused_by_name_is_audited_and_not_taught() -> None:
+    """``REFUSED_LAYERS`` names classes of the audit (refused, by the plugin
+    or by vLLM), none of them taught."""
+    assert set(REFUSED_LAYERS).isdisjoint(TAUGHT_LAYERS)
+    for path, refused in REFUSED_LAYERS.items():
+        entry = AUDITED_CLASSES[path]
+        assert entry.disposition is Disposition.REFUSED, entry
+        assert refused.label and refused.why, path
 
 
 # Admission by layer class -------------------------------------------------------

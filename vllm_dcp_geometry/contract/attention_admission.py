@@ -17,7 +17,7 @@ the DCP modes that matter, one of:
   D-wide DCP group with duplicate replicas weighing 0.
 - ``refused``: the layer class or the backend cannot honour K; ``reason`` is
   the one-line start-up error naming the group, layer, layer class, backend,
-  K and D.
+  K and D (and, for a class or backend refused by name, its model and why).
 - ``none``: the group has no attention (recurrent state).
 
 The runtime (the ``AttentionGroup.create_metadata_builders`` patch and the
@@ -41,12 +41,14 @@ from vllm_dcp_geometry.contract.attention_backends import (
     backend_layer_classes,
     is_sparse_backend_name,
     local_only_builder,
+    refused_backend,
     vllm_shard_count,
 )
 from vllm_dcp_geometry.contract.layer_classes import (
     GENERIC_LAYERS,
     SPECIALIZED_DECODE_LAYERS,
     TAUGHT_LAYERS,
+    refused_layer,
     taught_layer,
 )
 
@@ -194,6 +196,9 @@ def admit_attention(
     if k == vllm_k:
         # The K the layer's own code and its backend read the cache with.
         return AttentionAdmission(AttentionMode.LOCAL)
+    named = _named_refusal(head, kind, backend, layer_class, vllm_k)
+    if named is not None:
+        return named
     if backend is None or not backend_is_taught(kind, backend, k):
         return _untaught(head, kind, backend or "(none)", k, vllm_k)
     refusal = _layer_class_refusal(
@@ -209,6 +214,37 @@ def admit_attention(
         interleave_size=interleave_size,
         dcp_q_replicate=dcp_q_replicate,
     )
+
+
+def _named_refusal(
+    head: str,
+    kind: AttentionKind,
+    backend: str | None,
+    layer_class: str | None,
+    vllm_k: int,
+) -> AttentionAdmission | None:
+    """K other than vLLM's on a class or backend refused by name
+    (``layer_classes.REFUSED_LAYERS``, ``attention_backends.REFUSED_BACKENDS``):
+    the message names it, its model and why; the class goes first, since no
+    backend would make its own DCP reads follow the group's K."""
+    layer = refused_layer(layer_class)
+    if layer is not None and layer_class is not None:
+        return _refusal(
+            head,
+            f"{layer.describe(layer_class)} is not taught per-group DCP shard "
+            f"counts: {layer.why}; its own code reads this cache with vLLM's "
+            f"K={vllm_k}",
+            f"use K={vllm_k} for this layer",
+        )
+    refused = refused_backend(backend or "")
+    if refused is not None and backend is not None:
+        return _refusal(
+            head,
+            f"{refused.label} is not taught per-group DCP shard counts: "
+            f"{refused.why}; it would read this cache with vLLM's own K={vllm_k}",
+            _remedy(kind, backend),
+        )
+    return None
 
 
 def _dropped_features_refusal(
@@ -277,7 +313,9 @@ def _layer_class_refusal(
         return _refusal(
             head,
             "Kimi-K3's specialized decode (decode_backend=latency_specialized) "
-            "runs its own DCP mailboxes over all D ranks and bypasses the impl",
+            "runs its own DCP mailboxes over all D ranks and bypasses the impl "
+            "(on vLLM 0.34.0 its drafter too: DraftDcp, built at load from the "
+            "layer's D on the DCP group)",
             "use K=D ('sharded') for this group or turn specialized decode off",
         )
     return None

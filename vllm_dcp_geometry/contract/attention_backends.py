@@ -196,6 +196,57 @@ LOCAL_ONLY_BUILDERS: dict[str, TaughtBackend] = {
 ``module.qualname``; a backend label may name one in parentheses."""
 
 
+@dataclass(frozen=True)
+class RefusedBackend:
+    """A backend or builder the plugin knows it cannot teach: only vLLM's own
+    K runs on it, and the refusal says which it is and why."""
+
+    label: str
+    why: str
+
+
+REFUSED_BACKENDS: dict[str, RefusedBackend] = {
+    # vLLM 0.34.0.
+    "KIMI_K3_KV_BALANCED_MLA": RefusedBackend(
+        "Kimi-K3's KV-balanced MLA backend",
+        "its decode sizes its heads as num_heads * D from the parallel config "
+        "at construction and reads the impl's DCP world and dcp_tot_seq_lens "
+        "every step; the plugin binds neither",
+    ),
+    "vllm.models.kimi_k3.common.dsa_cache.KimiK3IndexerMetadataBuilder": (
+        RefusedBackend(
+            "Kimi-K3.1's DSA indexer builder",
+            "a subclass of DEEPSEEK_V32_INDEXER's, it writes the indexer's slots "
+            "from the block table with its own DCP world "
+            "(get_compressed_slot_mapping), which the plugin does not bind",
+        )
+    ),
+    "FLASHINFER_TS": RefusedBackend(
+        "FlashInfer TS",
+        "it declares no DCP support, so vLLM itself refuses it under DCP",
+    ),
+    "vllm.model_executor.layers.dash_attention.DASHAttentionMetadataBuilder": (
+        RefusedBackend(
+            "DASHAttention's TRITON_ATTN builder",
+            "TRITON_ATTN has no DCP path, so vLLM itself refuses it under DCP",
+        )
+    ),
+}
+"""Backends (by name) and builders (by ``module.qualname``) refused by name
+for every K but vLLM's own; a backend label names a builder in parentheses
+(``worker_admission.backend_label``)."""
+
+
+def refused_backend(backend: str) -> RefusedBackend | None:
+    """The named refusal of ``backend`` (a label: a name, a builder path, or
+    ``NAME (builder path)``), if any."""
+    name = backend.partition(" (")[0]
+    for key, refused in REFUSED_BACKENDS.items():
+        if key in (backend, name) or backend.endswith(f"({key})"):
+            return refused
+    return None
+
+
 def teaching_patch(backend: str) -> str | None:
     """The patch that teaches ``backend`` (a label) a group's K, if any."""
     taught = TAUGHT_BACKENDS.get(backend)

@@ -15,6 +15,9 @@ so binding the backend's impl alone is not enough for them. The admission rule
 - any other class runs only the K its own code reads the cache with (vLLM's
   K); every other K is refused at start-up naming layer, class, backend, K
   and D. No model-owned class is admitted on the strength of its backend.
+  A class in ``REFUSED_LAYERS`` (vLLM 0.34.0's Kimi-K3.1 DSA, Mistral
+  Large 4, ...) is refused so too, with its model and why the plugin cannot
+  bind it in the message.
 
 The audit of every vLLM class that reads the DCP world itself lives beside
 the tooling (``vllm_dcp_geometry.tooling.docs.layer_class_audit``); a test
@@ -195,6 +198,96 @@ SPECIALIZED_DECODE_LAYERS = frozenset({KIMI_K3_MLA})
 its own DCP mailboxes on the global D and bypasses the impl."""
 
 
+# Refused by name (vLLM 0.34.0) ------------------------------------------------------
+
+KIMI_K3_DSA_ATTENTION = "vllm.models.kimi_k3.nvidia.dsa.KimiK3DSAAttention"
+KIMI_K3_DSA_INDEXER = "vllm.models.kimi_k3.nvidia.dsa.KimiK3DSAIndexer"
+KIMI_K3_INDEXER_CACHE = "vllm.models.kimi_k3.common.dsa_cache.KimiK3IndexerCache"
+MISTRAL_MLA = "vllm.models.mistral.nvidia.attention._MistralMLA"
+MISTRAL_INDEXER_CACHE = "vllm.models.mistral.nvidia.indexer.MistralIndexerCache"
+GLM5NEXT_INDEXER_CACHE = "vllm.models.glm5next.common.attention.Glm5NextIndexerCache"
+
+INDEXER_OWNERS: dict[str, str] = {KIMI_K3_DSA_INDEXER: KIMI_K3_DSA_ATTENTION}
+"""Model-owned wrappers that build a generic sparse ``MLAAttention`` (the
+layer in the forward context) around their own indexer, by the indexer's
+``module.qualname``: the wrapper's code reads that cache too, so admission
+and binding see the wrapper, not the generic class the plugin taught."""
+
+
+@dataclass(frozen=True)
+class RefusedLayer:
+    """A model-owned class the plugin knows it cannot bind: only vLLM's own K
+    runs, and the refusal names the model and the reason."""
+
+    label: str
+    """The model's and the layer's name, e.g. ``Kimi-K3.1's DSA attention``."""
+    why: str
+    """What in its code reads the DCP world that the plugin does not bind."""
+
+    def describe(self, path: str) -> str:
+        """``LABEL (ClassName)``, as the refusal names it."""
+        return f"{self.label} ({path.rpartition('.')[2]})"
+
+
+_K3_DSA_WHY = (
+    "its indexer (KimiK3DSAIndexer) takes D from the parallel config and its "
+    "rank from the DCP group at construction, hands them to the "
+    "sparse_attn_indexer op and merges top-k candidates over all D ranks "
+    "(init_dcp_topk_merge), and its latent is a generic sparse MLAAttention "
+    "whose builder reads the DCP group's world; the plugin has no binder for "
+    "the indexer's construction-time (D, r) or its merge"
+)
+_INDEXER_AT_CONSTRUCTION = (
+    "its indexer op fixes D and the rank at construction, and no binder hands "
+    "it the cache's shard world"
+)
+REFUSED_LAYERS: dict[str, RefusedLayer] = {
+    KIMI_K3_DSA_ATTENTION: RefusedLayer("Kimi-K3.1's DSA attention", _K3_DSA_WHY),
+    KIMI_K3_INDEXER_CACHE: RefusedLayer(
+        "Kimi-K3.1's DSA indexer cache",
+        "read by KimiK3DSAIndexer with its construction-time (D, r), and its "
+        "builder (KimiK3IndexerMetadataBuilder) writes the indexer's slots from "
+        "the block table with the builder's own DCP world",
+    ),
+    MISTRAL_MLA: RefusedLayer(
+        "Mistral Large 4's MLA",
+        "its layer gathers the query before forward (prepare_mqa_query) and "
+        "defaults to the a2a up-projection, whose W_UV is gathered over all D "
+        "ranks at load; the plugin binds neither",
+    ),
+    MISTRAL_INDEXER_CACHE: RefusedLayer(
+        "Mistral Large 4's indexer cache",
+        f"read by its SparseAttnIndexer: {_INDEXER_AT_CONSTRUCTION}, and with the "
+        "model's a2a default it may rendezvous a D-rank direct top-k workspace",
+    ),
+    GLM5NEXT_INDEXER_CACHE: RefusedLayer(
+        "GLM-5.3-Flash's kpool indexer cache",
+        f"read by SparseAttnIndexerKpool: {_INDEXER_AT_CONSTRUCTION}",
+    ),
+    "vllm.models.minimax_m3.nvidia.model.MiniMaxM3SparseAttention": RefusedLayer(
+        "MiniMax-M3's sparse attention",
+        "it runs its own sparse backends, which the plugin does not teach",
+    ),
+    "vllm.models.minimax_m3.amd.model.MiniMaxM3SparseAttention": RefusedLayer(
+        "MiniMax-M3's sparse attention (ROCm)",
+        "it runs its own sparse backends, which the plugin does not teach",
+    ),
+    "vllm.models.minimax_m3.common.indexer.MiniMaxM3IndexerCache": RefusedLayer(
+        "MiniMax-M3's indexer cache",
+        "read by its own indexer backend, which the plugin does not teach",
+    ),
+}
+"""Model-owned classes refused by name for every K but vLLM's own, by
+``module.qualname``: the start-up error and ``plan`` say which model's layer
+it is and why (fail closed; teaching one needs a binder for every DCP read
+named here)."""
+
+
+def refused_layer(path: str | None) -> RefusedLayer | None:
+    """The named refusal of ``path``, if it is one of ``REFUSED_LAYERS``."""
+    return None if path is None else REFUSED_LAYERS.get(path)
+
+
 def taught_layer(path: str | None, mla: bool) -> TaughtLayer | None:
     """The taught entry for ``path`` (the generic class where None), or None
     where the class is not taught for a cache of this kind."""
@@ -225,14 +318,26 @@ def reader_refusal(
     )
 
 
+def _path(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def layer_class_path(layer: Any) -> str:
     """The class whose code reads ``layer``'s cache: the model-owned wrapper
-    a model patch named on it, else the layer's own class."""
+    a model patch named on it, else the wrapper its indexer's class gives
+    away (``INDEXER_OWNERS``), else the layer's own class."""
     named = getattr(layer, LAYER_CLASS_ATTR, None)
     if isinstance(named, str):
         return named
-    cls = type(layer)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    # The generic MLA layer keeps the indexer a wrapper hands it (None for a
+    # dense layer); its class names the wrapper without a model patch.
+    indexer = getattr(layer, "indexer", None)
+    if indexer is not None:
+        owner = INDEXER_OWNERS.get(_path(indexer))
+        if owner is not None:
+            return owner
+    return _path(layer)
 
 
 # Binders registered by model patches ------------------------------------------------

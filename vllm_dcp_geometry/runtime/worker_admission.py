@@ -28,6 +28,7 @@ from vllm_dcp_geometry.contract.attention_admission import (
 )
 from vllm_dcp_geometry.contract.attention_backends import (
     DCP_DROPPED_FEATURES,
+    REFUSED_BACKENDS,
     TAUGHT_BACKENDS,
     AttentionKind,
     taught_backend_name,
@@ -76,9 +77,13 @@ def backend_label(backend_name: str, builder_cls: type) -> str:
     """The backend's name where its builder is the exact class the plugin
     taught (or the backend is not taught at all), else the name with the
     builder: a subclass or a re-registered backend is not taught (unless it
-    is one of ``attention_backends.LOCAL_ONLY_BUILDERS``)."""
+    is one of ``attention_backends.LOCAL_ONLY_BUILDERS``). A builder refused
+    by name (``attention_backends.REFUSED_BACKENDS``) is named too, so the
+    refusal says whose it is (DASHAttention's has TRITON_ATTN's name)."""
     path = f"{builder_cls.__module__}.{builder_cls.__qualname__}"
     taught = TAUGHT_BACKENDS.get(backend_name)
+    if path in REFUSED_BACKENDS:
+        return f"{backend_name} ({path})"
     if taught is None or taught.builder == path:
         return backend_name
     return f"{backend_name} ({path})"
