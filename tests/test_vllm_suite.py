@@ -5,9 +5,10 @@ unpatched.
 
 The comparison is checked on made-up outcomes first (a test that passes
 unpatched and fails patched must fail the run); then the KV-cache core list
-of vLLM 0.33.0's own tests runs through the script, unpatched and patched,
-each file in a fresh process (about 10 minutes on 2 cores). That one skips
-only when vLLM's sdist cannot be fetched.
+of the installed vLLM release's own tests (``FILE_LISTS``: 0.33.0 or 0.34.0)
+runs through the script, unpatched and patched, each file in a fresh process
+(about 10 minutes on 2 cores). That one skips only when vLLM's sdist cannot
+be fetched.
 """
 
 from __future__ import annotations
@@ -163,10 +164,64 @@ def test_only_the_tests_are_kept(tmp_path: Path) -> None:
 
 
 def test_the_lists() -> None:
+    from vllm_dcp_geometry._version import SUPPORTED_VLLM_RELEASES
+
     s = _vllm_suite()
-    assert set(s.CORE_FILES) <= set(s.ALL_FILES)
-    assert len(set(s.ALL_FILES)) == len(s.ALL_FILES)
-    assert all(f.startswith("tests/v1/") and f.endswith(".py") for f in s.ALL_FILES)
+    assert tuple(s.FILE_LISTS) == SUPPORTED_VLLM_RELEASES
+    for release, lists in s.FILE_LISTS.items():
+        assert set(lists.core) <= set(lists.all), release
+        assert len(set(lists.all)) == len(lists.all), release
+        assert all(f.startswith("tests/v1/") and f.endswith(".py") for f in lists.all)
+        # An absent file is one another release runs, named with its reason.
+        others = {f for r, o in s.FILE_LISTS.items() if r != release for f in o.all}
+        assert lists.absent.keys() <= others - set(lists.all), release
+        assert all(lists.absent.values()), release
+    # 0.33.0's lists are the ones it always ran; 0.34.0 lost Model Runner V1.
+    old = s.FILE_LISTS["0.33.0"]
+    assert (len(old.core), len(old.all)) == (10, 37)
+    new = s.FILE_LISTS["0.34.0"]
+    assert set(new.absent) == {"tests/v1/worker/test_gpu_input_batch.py"}
+    assert set(old.core) - set(new.core) == set(new.absent)
+
+
+def test_an_unknown_release_or_a_stale_list_is_bad_input(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    s = _vllm_suite()
+    monkeypatch.setattr(s, "installed_vllm_version", lambda: "9.9.9")
+    assert s.main(["--list"]) == 2
+    assert "no file list for vLLM 9.9.9" in capsys.readouterr().err
+    monkeypatch.setattr(s, "FILE_LISTS", {"9.9.9": s.FileList(("tests/v1/a.py",), ())})
+    (tmp_path / "tests" / "v1").mkdir(parents=True)
+    assert s.main(["--src", str(tmp_path)]) == 2  # the list names a lacking file
+    assert "tests/v1/a.py" in capsys.readouterr().err
+    (tmp_path / "tests" / "v1" / "a.py").write_text("")
+    (tmp_path / "tests" / "v1" / "b.py").write_text("")
+    lists = s.FileList(("tests/v1/a.py",), (), {"tests/v1/b.py": "gone in 9.9.9"})
+    monkeypatch.setattr(s, "FILE_LISTS", {"9.9.9": lists})
+    assert s.main(["--src", str(tmp_path)]) == 2  # says b.py is absent; it is not
+    assert "tests/v1/b.py is in" in capsys.readouterr().err
+    (tmp_path / "tests" / "v1" / "b.py").unlink()
+    monkeypatch.setattr(s, "run_suite", lambda *a, **kw: [])
+    assert s.main(["--src", str(tmp_path)]) == 0
+    assert "tests/v1/b.py" in capsys.readouterr().out  # named, not run
+    assert s.main(["--list"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.split() == ["tests/v1/a.py"]
+    assert "tests/v1/b.py (gone in 9.9.9)" in captured.err
+
+
+def test_pip_is_found_where_the_environment_has_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A virtual environment made with uv has no pip; any pip on PATH will do."""
+    s = _vllm_suite()
+    monkeypatch.setattr(s.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(s.shutil, "which", lambda name: f"/bin/{name}")
+    assert s.pip_command() == ["/bin/pip3"]
+    monkeypatch.setattr(s.shutil, "which", lambda name: None)
+    with pytest.raises(s.SourceUnavailable, match="no pip"):
+        s.pip_command()
 
 
 @pytest.mark.slow
@@ -174,10 +229,14 @@ def test_vllm_core_suite_passes_patched_where_it_passes_unpatched(
     tmp_path: Path,
 ) -> None:
     s = _vllm_suite()
+    release = s.installed_vllm_version()
+    lists = s.FILE_LISTS[release]
     try:
-        src = s.fetch_source(s.installed_vllm_version())
+        src = s.fetch_source(release)
     except s.SourceUnavailable as exc:
         pytest.skip(f"vLLM's sdist cannot be fetched: {exc}")
+    # Every file of the release's list is in its sdist, every absent one not.
+    assert s.check_files(src, lists.all, lists.absent) == []
     out = tmp_path / "suite.json"
     done = subprocess.run(
         [
@@ -196,7 +255,8 @@ def test_vllm_core_suite_passes_patched_where_it_passes_unpatched(
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     runs = result["runs"]
-    assert {r["file"] for r in runs} == set(s.CORE_FILES)
+    assert {r["file"] for r in runs} == set(lists.core)
+    assert result["absent"] == dict(lists.absent)
     # The patched runs really ran patched, the unpatched ones did not.
     assert all(r["patches"] for r in runs if r["mode"] == s.PATCHED)
     assert not any(r["patches"] for r in runs if r["mode"] == s.UNPATCHED)

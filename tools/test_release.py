@@ -8,8 +8,9 @@
 
 Makes (or reuses) ``.venv-<release>`` beside ``.venv`` with this checkout and
 that vLLM release installed by uv, then runs pytest there. By default it runs
-every test that exercises a patch (``-m patches``); arguments after ``--``
-replace that. ``tools/release_overrides/vllm-<release>.txt``, where present,
+every test that exercises a patch and every test written for particular
+releases (``-m "patches or vllm_releases"``); arguments after ``--`` replace
+that. ``tools/release_overrides/vllm-<release>.txt``, where present,
 holds the requirement overrides the package index these machines reach needs
 (vLLM 0.34.0's ``flashinfer-python==0.7.3`` is not there; 0.7.4 is): they
 apply to this test environment only, never to what a user installs.
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments")
     args = parser.parse_args(argv)
     python = environment(args.release)
-    pytest_args = args.pytest_args or ["-q", "-m", "patches"]
+    pytest_args = args.pytest_args or ["-q", "-m", "patches or vllm_releases"]
     print(f"+ vLLM {args.release}: pytest {' '.join(pytest_args)}", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     return subprocess.run(

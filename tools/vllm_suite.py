@@ -16,12 +16,19 @@ loaded through vLLM's own ``load_general_plugins`` entry point). This module
 is also the pytest plugin (``-p vllm_suite``) of those runs: it loads the
 plugins and asserts the plugin is active exactly in the patched run.
 
+The files come from ``FILE_LISTS``, one entry per vLLM release (the
+installed release picks its own): vLLM 0.34.0 removed Model Runner V1 and
+its tests, and added tests of code the plugin patches there. A file one
+release's list drops because that release's sdist lacks it is named in its
+``absent`` (and in the report), never skipped silently; a file the list
+names that the sdist lacks, or an ``absent`` one it has, is bad input.
+
 Exit status: 0 when every test that passes unpatched passes patched, 1 when
 any does not, 2 on bad input or when the sdist cannot be fetched. Tests that
 fail or skip in both runs (hub models, GPUs, missing test dependencies) are
 reported as such, grouped by reason.
 
-    python tools/vllm_suite.py            # the KV-cache core list (CI)
+    python tools/vllm_suite.py            # the installed release's core list (CI)
     python tools/vllm_suite.py --all      # every file of the list
     python tools/vllm_suite.py tests/v1/core/test_kv_cache_utils.py
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import shutil
@@ -53,7 +61,7 @@ MODE_ENV = "VLLM_SUITE_MODE"
 RECORD_ENV = "VLLM_SUITE_RECORD"
 UNPATCHED, PATCHED = "unpatched", "patched"
 
-CORE_FILES: tuple[str, ...] = (
+_CORE_0_33: tuple[str, ...] = (
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py",
     "tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
@@ -65,11 +73,8 @@ CORE_FILES: tuple[str, ...] = (
     "tests/v1/worker/test_gpu_model_runner.py",
     "tests/v1/worker/test_gpu_model_runner_v2.py",
 )
-"""The KV-cache core CI runs: prefix caching and partial prefix hits,
-``kv_cache_utils``, single-type managers, planning, block tables, runners."""
 
-ALL_FILES: tuple[str, ...] = (
-    *CORE_FILES,
+_REST_0_33: tuple[str, ...] = (
     "tests/v1/test_kv_cache_spec_registry.py",
     "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py",
     "tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py",
@@ -98,8 +103,92 @@ ALL_FILES: tuple[str, ...] = (
     "tests/v1/attention/test_group_sliding_window.py",
     "tests/v1/attention/test_mamba_align_block_table.py",
 )
-"""vLLM's tests of what the plugin patches: KV-cache specs, planning,
-managers, prefix caching, block tables, runners, DCP attention."""
+
+_CORE_0_34: tuple[str, ...] = (
+    "tests/v1/core/test_prefix_caching.py",
+    "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py",
+    "tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_kv_cache_planning.py",
+    "tests/v1/worker/test_gpu_block_table.py",
+    "tests/v1/worker/test_gpu_model_runner.py",
+    "tests/v1/worker/test_gpu_model_runner_v2.py",
+    "tests/v1/worker/test_mixed_warmup_gate.py",
+    "tests/v1/worker/test_extensible_kv_cache.py",
+)
+
+_REST_0_34: tuple[str, ...] = (
+    "tests/v1/test_kv_cache_spec_registry.py",
+    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py",
+    "tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py",
+    "tests/v1/core/test_kv_cache_config_builder.py",
+    "tests/v1/core/test_swa_inflight_window_free.py",
+    "tests/v1/core/test_contiguous_kv_packing.py",
+    "tests/v1/core/test_mamba_align_chunk_split.py",
+    "tests/v1/core/test_kv_sharing.py",
+    "tests/v1/core/test_deferred_block_free.py",
+    "tests/v1/core/test_worker_slot_overflow.py",
+    "tests/v1/core/test_prefix_replay.py",
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/worker/test_gpu_input_batch_v2.py",
+    "tests/v1/worker/test_cp_utils.py",
+    "tests/v1/worker/test_attn_utils.py",
+    "tests/v1/worker/test_utils.py",
+    "tests/v1/worker/test_kv_cache_allocation_scope.py",
+    "tests/v1/worker/test_mamba_utils.py",
+    "tests/v1/worker/test_gpu_warmup_blocks.py",
+    "tests/v1/worker/test_kv_block_zeroer.py",
+    "tests/v1/attention/test_attention_backends.py",
+    "tests/v1/attention/test_mla_backends.py",
+    "tests/v1/attention/test_flashinfer_mla_dcp.py",
+    "tests/v1/attention/test_dcp_a2a_pack_mask.py",
+    "tests/v1/attention/test_mla_context_chunks.py",
+    "tests/v1/attention/test_group_sliding_window.py",
+    "tests/v1/attention/test_mamba_align_block_table.py",
+)
+
+
+@dataclass(frozen=True)
+class FileList:
+    """One release's tests of what the plugin patches: KV-cache specs,
+    planning, managers, prefix caching, block tables, runners, warmup, DCP
+    attention."""
+
+    core: tuple[str, ...]
+    """What CI runs: prefix caching and partial prefix hits,
+    ``kv_cache_utils``, single-type managers, planning, block tables,
+    runners (on 0.34.0 also the V2 warmup's gate, patched there, and the
+    extensible KV cache)."""
+    rest: tuple[str, ...]
+    """What ``--all`` adds."""
+    absent: Mapping[str, str] = field(default_factory=dict)
+    """Files of another release's list that this release's sdist lacks, and
+    why: named, never skipped silently."""
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return (*self.core, *self.rest)
+
+
+FILE_LISTS: dict[str, FileList] = {
+    "0.33.0": FileList(
+        _CORE_0_33,
+        _REST_0_33,
+        absent={
+            "tests/v1/worker/test_extensible_kv_cache.py": "new in vLLM 0.34.0",
+        },
+    ),
+    "0.34.0": FileList(
+        _CORE_0_34,
+        _REST_0_34,
+        absent={
+            "tests/v1/worker/test_gpu_input_batch.py": "Model Runner V1 "
+            "was removed, its InputBatch (v1/worker/gpu_input_batch.py) with it",
+        },
+    ),
+}
+"""The file lists by vLLM release (the installed one picks its list)."""
 
 
 class SourceUnavailable(RuntimeError):
@@ -160,6 +249,18 @@ def _extract_archive(archive: Path, into: Path) -> Path:
     return into / roots.pop()
 
 
+def pip_command() -> list[str]:
+    """This interpreter's pip, else the first one on ``PATH``: a virtual
+    environment made with uv has none, and any pip downloads an sdist."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    for name in ("pip3", "pip"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    raise SourceUnavailable("no pip in this interpreter or on PATH")
+
+
 def fetch_source(version: str, cache_dir: Path = CACHE_DIR) -> Path:
     """vLLM ``version``'s tests, from the cache or its sdist.
 
@@ -178,9 +279,7 @@ def fetch_source(version: str, cache_dir: Path = CACHE_DIR) -> Path:
         downloads.mkdir()
         scratch.mkdir()
         command = [
-            sys.executable,
-            "-m",
-            "pip",
+            *pip_command(),
             "download",
             f"vllm=={version}",
             "--no-deps",
@@ -384,7 +483,15 @@ def compare_runs(runs: Iterable[FileRun]) -> Comparison:
     return compare(by_mode[UNPATCHED], by_mode[PATCHED], why[UNPATCHED], why[PATCHED])
 
 
-def report(runs: Sequence[FileRun], result: Comparison, out: Path | None) -> str:
+def report(
+    runs: Sequence[FileRun],
+    result: Comparison,
+    out: Path | None,
+    absent: Mapping[str, str] | None = None,
+) -> str:
+    """The table of both runs by file, the reasons, the verdict; ``absent``:
+    the list's files this release lacks, named (not run)."""
+    absent = absent or {}
     lines = [f"{'file':<66} {'unpatched':>17} {'patched':>17}"]
     by_file: dict[str, dict[str, FileRun]] = collections.defaultdict(dict)
     for run in runs:
@@ -401,6 +508,8 @@ def report(runs: Sequence[FileRun], result: Comparison, out: Path | None) -> str
                 else f"{'no outcomes':>17}"
             )
         lines.append(f"{file:<66} {cells[0]:>17} {cells[1]:>17}")
+    for file, because in absent.items():
+        lines.append(f"{file:<66} not in this release, not run: {because}")
     active = sorted({p for r in runs if r.mode == PATCHED for p in r.patches})
     lines.append(f"patch modules applied in the patched runs: {len(active)}")
     lines.append(
@@ -431,6 +540,7 @@ def report(runs: Sequence[FileRun], result: Comparison, out: Path | None) -> str
                     "fixed": result.fixed,
                     "not_passing_both": result.not_passing_both,
                     "passed_both": result.passed_both,
+                    "absent": dict(absent),
                 },
                 indent=1,
             )
@@ -441,9 +551,9 @@ def report(runs: Sequence[FileRun], result: Comparison, out: Path | None) -> str
 def run_suite(
     src: Path, files: Sequence[str], *, jobs: int, timeout: float
 ) -> list[FileRun]:
-    missing = [f for f in files if not (src / f).is_file()]
-    if missing:
-        raise SystemExit(f"not in {src}: {', '.join(missing)}")
+    problems = check_files(src, files, {})
+    if problems:
+        raise SystemExit("; ".join(problems))
     with tempfile.TemporaryDirectory(prefix="vllm-suite.") as tmp:
         tasks = [(f, m) for f in files for m in (UNPATCHED, PATCHED)]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -453,7 +563,25 @@ def run_suite(
             return [f.result() for f in futures]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def check_files(
+    src: Path, files: Sequence[str], absent: Mapping[str, str]
+) -> list[str]:
+    """What is wrong with the files to run in ``src``: a file it lacks, or a
+    file the list says the release lacks that is there (a stale list)."""
+    problems = [
+        f"not in {src}: {f}" + (f" ({absent[f]})" if f in absent else "")
+        for f in files
+        if not (src / f).is_file()
+    ]
+    problems += [
+        f"{f} is in {src}, but the file list says the release lacks it"
+        for f in absent
+        if (src / f).is_file()
+    ]
+    return problems
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", help="test files (default: core list)")
     parser.add_argument("--all", action="store_true", help="every file of the list")
@@ -462,21 +590,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=1200, help="s per file")
     parser.add_argument("--json", type=Path, help="write every outcome here")
-    args = parser.parse_args(argv)
-    files = list(args.files or (ALL_FILES if args.all else CORE_FILES))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    version = installed_vllm_version()
+    lists = FILE_LISTS.get(version)
+    if lists is None and not args.files:
+        print(
+            f"vllm_suite: no file list for vLLM {version} (lists: "
+            f"{', '.join(FILE_LISTS)}); add one to FILE_LISTS or name the files",
+            file=sys.stderr,
+        )
+        return 2
+    absent = dict(lists.absent) if lists is not None else {}
+    if args.files or lists is None:
+        files = list(args.files)
+    else:
+        files = list(lists.all if args.all else lists.core)
     if args.list:
         print("\n".join(files))
+        for file, why in absent.items():
+            print(f"not in vLLM {version}'s tests: {file} ({why})", file=sys.stderr)
         return 0
     try:
-        src = args.src or fetch_source(installed_vllm_version())
+        src = args.src or fetch_source(version)
     except SourceUnavailable as exc:
         print(f"vllm_suite: {exc}", file=sys.stderr)
+        return 2
+    problems = check_files(src, files, absent)
+    if problems:
+        print("vllm_suite: " + "\nvllm_suite: ".join(problems), file=sys.stderr)
         return 2
     start = time.monotonic()
     runs = run_suite(src, files, jobs=args.jobs, timeout=args.timeout)
     result = compare_runs(runs)
-    print(report(runs, result, args.json))
-    print(f"{len(files)} files, both modes, in {time.monotonic() - start:.0f} s")
+    print(report(runs, result, args.json, absent={} if args.files else absent))
+    print(
+        f"vLLM {version}: {len(files)} files, both modes, in "
+        f"{time.monotonic() - start:.0f} s"
+    )
     return 0 if result.ok else 1
 
 
