@@ -20,7 +20,8 @@ from the installed kernel, only the store changed), and the layer's
 default: the indexer cache and the layer bound in simulated replica groups,
 the merge gathering K x top-k candidates, the layer's replica manager
 gathering queries and combining over K ranks) and on the D-wide group
-(``partial_collectives: "dcp"``: D x top-k candidates, the combine
+(``partial_collectives: "dcp"``: D x top-k candidates gathered, of which
+vLLM 0.34's selector reads the first replica's K x top-k; the combine
 replica-masked by ``impl_binding.mask_combine``). K = 1 runs local: no
 query gather, no merge, no combine.
 
@@ -48,6 +49,7 @@ from tests.support.sparse_mla import (
     evaluate_sparse_case,
     has_repeated_ids,
     run_sparse_case,
+    selector_reads_rank_major,
     sparse_attention,
 )
 from tests.support.sweeps import divisors
@@ -88,10 +90,13 @@ def test_sparse_attention_on_every_rank_is_single_device(
         assert worst[key] <= FP32_TOLERANCE, (key, worst)
     # What the layer and the indexer op were handed: the impl's world (1 for
     # a local group, K within its replica, D otherwise) and the indexer's
-    # shard world (K, r % K); the merge gathered K x top-k candidates per row
-    # within the replica, D x top-k on the D-wide group.
+    # shard world (K, r % K); the merge's selector read K x top-k candidates
+    # per row within the replica, on the D-wide group D x top-k (vLLM 0.33:
+    # duplicate replicas' as padding) or the first replica's K x top-k (0.34,
+    # which views the gather by K).
     world = k if collectives == "replica" and partial else (1 if k == 1 else dcp)
-    assert report["gathered_widths"] == [world * CPU_SPARSE.topk] * (
+    selected = k if partial and selector_reads_rank_major() else world
+    assert report["gathered_widths"] == [selected * CPU_SPARSE.topk] * (
         0 if k == 1 else dcp
     )
     for r, result in enumerate(report["ranks"]):
@@ -107,7 +112,14 @@ def test_sparse_attention_on_every_rank_is_single_device(
 def test_the_unwrapped_merge_gives_a_wrong_output() -> None:
     """vLLM's own merge on a partial indexer cache (D=4, K=2): both replicas
     of each shard send their candidates, repeated ids displace real tokens,
-    the attention reads the wrong tokens."""
+    the attention reads the wrong tokens (vLLM 0.33); vLLM 0.34 views the
+    D ranks' candidates by K and fails."""
+    if selector_reads_rank_major():
+        with pytest.raises(RuntimeError, match="is invalid for input of size"):
+            run_sparse_case(
+                4, 2, 1, seed=_seed(4, 2, 1), mask_merge=False, collectives="dcp"
+            )
+        return
     report = run_sparse_case(
         4, 2, 1, seed=_seed(4, 2, 1), mask_merge=False, collectives="dcp"
     )
@@ -121,7 +133,12 @@ def test_a_merge_gathering_d_wide_in_replica_mode_is_wrong() -> None:
     """Within its replica the merge sends every replica's candidates (none
     masked): gathered over all D ranks instead (the module's
     ``get_dcp_group`` unwrapped), each shard arrives D/K times and repeated
-    ids displace real tokens."""
+    ids displace real tokens (vLLM 0.33), or the D ranks' candidates fail
+    0.34's view by K."""
+    if selector_reads_rank_major():
+        with pytest.raises(RuntimeError, match="is invalid for input of size"):
+            run_sparse_case(4, 2, 1, seed=_seed(4, 2, 1), merge_in_replica=False)
+        return
     report = run_sparse_case(4, 2, 1, seed=_seed(4, 2, 1), merge_in_replica=False)
     worst = evaluate_sparse_case(report, 2)
     assert report["gathered_widths"] == [4 * CPU_SPARSE.topk] * 4

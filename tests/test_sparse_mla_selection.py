@@ -37,6 +37,7 @@ from tests.support.sparse_mla import (
     select_on_ranks,
     selection_lengths,
     selection_sets,
+    selector_reads_rank_major,
     tied_scores,
 )
 from tests.support.sweeps import divisors
@@ -146,16 +147,24 @@ def test_every_rank_selects_the_single_device_topk(
 
 def test_unpatched_vllm_counts_replicas_twice() -> None:
     """The same selection in a fresh unpatched process: with D=4 and K=2,
-    each shard's candidates arrive twice and displace real tokens; patched,
-    every rank selects the single-device top-k."""
+    each shard's candidates arrive twice and displace real tokens (vLLM
+    0.33), or the D ranks' candidates do not fit the view by K at all (0.34,
+    which reshapes by the world it is passed); patched, every rank selects
+    the single-device top-k."""
     code = """
     import json
     from tests.support.sparse_mla import replica_selection_report
-    print(json.dumps(replica_selection_report(4, 2, 1)))
+    try:
+        print(json.dumps(replica_selection_report(4, 2, 1)))
+    except RuntimeError as exc:
+        print(json.dumps({"error": str(exc)}))
     """
     unpatched = run_python(code, patched=False)
-    assert all(unpatched["repeats"]), unpatched
-    assert not any(unpatched["matches"]), unpatched
+    if selector_reads_rank_major():
+        assert "is invalid for input of size" in unpatched["error"], unpatched
+    else:
+        assert all(unpatched["repeats"]), unpatched
+        assert not any(unpatched["matches"]), unpatched
     patched = replica_selection_report(4, 2, 1)
     assert not any(patched["repeats"]) and all(patched["matches"]), patched
 
@@ -264,10 +273,11 @@ class _Recorder:
 
 
 def _layer_call(
-    call: Any, prefix: Any, *, dcp_rank: int, dcp_world_size: int
+    call: Any, prefix: Any, *, dcp_rank: int, dcp_world_size: int, **extra: Any
 ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """Call ``call`` as ``DeepseekV32Attention._sparse_indexer_and_attn``
-    calls ``sparse_attn_indexer`` (the tensors are placeholders)."""
+    calls ``sparse_attn_indexer`` (the tensors are placeholders), with
+    ``extra`` keywords (vLLM 0.34's) after its own."""
     positional = (
         object(),  # q_c
         prefix,
@@ -294,6 +304,7 @@ def _layer_call(
         "cp_kv_cache_interleave_size": 1,
         "skip_topk_buffer_clear": True,
         "topk_backend": "auto",
+        **extra,
     }
     return call(*positional, **keywords), positional, keywords
 
@@ -440,3 +451,28 @@ def test_a_cache_bound_in_its_replica_takes_the_replica_rank(
     assert (keywords["dcp_world_size"], keywords["dcp_rank"]) == (2, 1)
     assert geometry.shard_world == (2, 1) and seen == [replica]
     assert current_replica_group() is None
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_bound_cache_never_takes_the_direct_topk_exchange(
+    indexer_call: Any, k: int
+) -> None:
+    """vLLM 0.34's keywords (``logits_dtype``, ``dcp_direct_topk_max_rows``)
+    pass through; where the wrapper substitutes the cache's shard world the
+    symmetric-memory top-k exchange (which packs with the DCP group's own
+    ``(r, D)``) is off; an unbound cache (vLLM's own K = D) keeps it."""
+    patch, recorder, call = indexer_call
+    cache = _indexer_cache()
+    patch.bind_indexer_cache(cache, indexer_geometry(4, k, 3, 1), INDEXER_LAYER)
+    extra = {"logits_dtype": torch.bfloat16, "dcp_direct_topk_max_rows": 64}
+    with _forward_context({INDEXER_LAYER: cache}):
+        _layer_call(call, INDEXER_LAYER, dcp_rank=3, dcp_world_size=4, **extra)
+    kwargs = recorder.calls[-1][1]
+    assert (kwargs["dcp_world_size"], kwargs["dcp_rank"]) == (k, 3 % k)
+    assert kwargs["logits_dtype"] is torch.bfloat16
+    assert kwargs["dcp_direct_topk_max_rows"] == 0
+    with _forward_context({INDEXER_LAYER: _indexer_cache()}):
+        _, _, keywords = _layer_call(
+            call, INDEXER_LAYER, dcp_rank=3, dcp_world_size=4, **extra
+        )
+    assert recorder.calls[-1][1] == keywords

@@ -116,7 +116,9 @@ def merge_stand_ins(
     without the patch's wrapper): a negative control."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai
 
-    from vllm_dcp_geometry.runtime.mla_geometry import make_group_getter
+    from vllm_dcp_geometry.patches.worker.sparse_attn_indexer import (
+        make_indexer_group_getter,
+    )
 
     calls = MergeCalls()
     with contextlib.ExitStack() as stack:
@@ -129,7 +131,7 @@ def merge_stand_ins(
             replaced(
                 sai,
                 "get_dcp_group",
-                make_group_getter(dcp_group) if plugin_getter else dcp_group,
+                make_indexer_group_getter(dcp_group) if plugin_getter else dcp_group,
             )
         )
         if stand_in_selector:
@@ -138,8 +140,65 @@ def merge_stand_ins(
                 calls.selector_calls.append(coop.local.rank)
                 calls.gathered_widths.append(int(gathered.shape[1]))
 
-            stack.enter_context(cutedsl_merge_stand_ins(selected))
+            stack.enter_context(_selector_stand_ins(selected))
         yield calls
+
+
+def selector_reads_rank_major() -> bool:
+    """Whether vLLM's CuteDSL selector reads the rank-major ``[W, rows,
+    top-k, 2]`` candidates of a dim-0 all-gather and keys ``score_bits`` /
+    ``id_bits`` (vLLM 0.34) rather than ``[rows, W * top-k, 2]`` (0.33)."""
+    import inspect
+
+    from vllm.model_executor.kernels.attention.dsa import dcp_indexer_cutedsl
+
+    selector = dcp_indexer_cutedsl.stable_topk_from_gathered_candidates_cutedsl
+    return "score_bits" in inspect.signature(selector).parameters
+
+
+@contextlib.contextmanager
+def _selector_stand_ins(on_select: Any) -> Iterator[None]:
+    """The tooling's ``cutedsl_merge_stand_ins`` where the selector is
+    0.33's; on 0.34 (until the tooling's stand-in reads it) the same torch
+    selector behind 0.34's rank-major contract: ``[W, rows, top-k, 2]``
+    read as each row's W x top-k candidates in rank order, 32 score bits
+    (float32 logits, the only ones these tests merge) and ids within
+    ``id_bits``; ``on_select`` sees the ``[rows, W * top-k, 2]`` view."""
+    if not selector_reads_rank_major():
+        with cutedsl_merge_stand_ins(on_select):
+            yield
+        return
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+    from vllm.model_executor.kernels.attention.dsa import dcp_indexer_cutedsl
+
+    from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+        check_merge_inputs,
+        stable_topk_stand_in,
+    )
+
+    def selector(
+        gathered: Any,
+        topk: int,
+        out: Any = None,
+        score_bits: int = 32,
+        id_bits: int = 32,
+    ) -> Any:
+        assert gathered.dim() == 4 and gathered.shape[2:] == (topk, 2)
+        assert score_bits == 32, "the stand-in keys float32 scores only"
+        rows = gathered.permute(1, 0, 2, 3).reshape(gathered.shape[1], -1, 2)
+        assert not bool((rows[..., 1] >= 2**id_bits).any()), "an id past id_bits"
+        on_select(rows)
+        return stable_topk_stand_in(rows, topk, out=out)
+
+    with (
+        replaced(
+            dcp_indexer_cutedsl,
+            "stable_topk_from_gathered_candidates_cutedsl",
+            selector,
+        ),
+        replaced(sai, "_assert_cutedsl_dcp_merge_supported", check_merge_inputs),
+    ):
+        yield
 
 
 def indexer_geometry(dcp: int, shard_count: int, rank: int, interleave: int) -> Any:
@@ -165,18 +224,27 @@ def rank_selection(
     topk: int,
     rank: int,
     row_start_pad: int = 0,
+    replica: Any = None,
+    direct_max_rows: int = 0,
 ) -> torch.Tensor:
     """One rank's selection as DeepSeek-V3.2's indexer call makes it: the
     local top-k of its shard's logits, then vLLM's (patched, where the plugin
     is registered) ``_merge_dcp_topk_global`` in the cache's shard world
     ``(K, r % K)`` with ``use_indexer_geometry`` active for a partial K (what
-    ``patches.worker.deepseek_v32_attention`` passes and sets). K = D is
-    upstream's call (``(D, r)``, nothing set); K = 1 passes world 1.
+    ``patches.worker.deepseek_v32_attention`` passes and sets), and
+    ``replica`` (a partial cache bound in its replica, rule A6) held. K = D
+    is upstream's call (``(D, r)``, nothing set); K = 1 passes world 1.
     ``row_start_pad`` > 0: the prefill layout, logits behind that many
-    leading columns of other rows and ``row_starts`` pointing past them."""
+    leading columns of other rows and ``row_starts`` pointing past them.
+    Where the merge takes vLLM 0.34's keywords they are passed as the op
+    passes them (float32 logits, ``num_positions`` the row width,
+    ``direct_max_rows`` as given: > 0 asks for the symmetric-memory path)."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai
 
-    from vllm_dcp_geometry.runtime.group_context import use_indexer_geometry
+    from vllm_dcp_geometry.runtime.group_context import (
+        use_indexer_geometry,
+        use_replica_group,
+    )
 
     geometry = indexer_geometry(dcp, shard_count, rank, interleave)
     world, shard = geometry.shard_world
@@ -201,14 +269,20 @@ def rank_selection(
         row_starts = torch.full(
             (logits.shape[0],), row_start_pad, dtype=torch.int32, device=logits.device
         )
-    active = (
-        use_indexer_geometry(geometry)
-        if geometry.is_partial
-        else contextlib.nullcontext()
-    )
-    with active:
+    keywords: dict[str, Any] = {}
+    if selector_reads_rank_major():
+        keywords = {
+            "logits_dtype": torch.float32,
+            "num_positions": scores.shape[1],
+            "direct_max_rows": direct_max_rows,
+        }
+    with contextlib.ExitStack() as active:
+        if geometry.is_partial:
+            active.enter_context(use_indexer_geometry(geometry))
+            if replica is not None:
+                active.enter_context(use_replica_group(replica))
         sai._merge_dcp_topk_global(
-            logits, selection, topk, shard, world, interleave, row_starts
+            logits, selection, topk, shard, world, interleave, row_starts, **keywords
         )
     return selection
 
@@ -224,15 +298,35 @@ def select_on_ranks(
     topk: int,
     row_start_pad: int = 0,
     stand_in_selector: bool = True,
+    within_replica: bool = False,
+    direct_max_rows: int = 0,
+    plugin_getter: bool = True,
 ) -> tuple[list[torch.Tensor], MergeCalls]:
     """Every rank's ``rank_selection``, the ranks in cooperative threads (the
-    merge's all-gather sees its peers), and what the merge stand-ins saw."""
+    merge's all-gather sees its peers), and what the merge stand-ins saw.
+    ``within_replica``: a partial cache's merge holds its replica (rule A6),
+    else it runs on the D-wide group (``partial_collectives: "dcp"``).
+    ``plugin_getter``: as ``merge_stand_ins``."""
+    from tests.support.mla import SimulatedReplica
+
     coop = CooperativeRanks(dcp)
     groups = [SimulatedGroup(coop, dcp, r) for r in range(dcp)]
+    partial = 1 < shard_count < dcp
+
+    def replica_of(rank: int) -> Any:
+        if not (within_replica and partial):
+            return None
+        return SimulatedReplica(coop, dcp, rank, shard_count)
+
     shims = cpu_shims() if scores.device.type == "cpu" else contextlib.nullcontext()
     with (
         shims,
-        merge_stand_ins(coop, groups, stand_in_selector=stand_in_selector) as calls,
+        merge_stand_ins(
+            coop,
+            groups,
+            stand_in_selector=stand_in_selector,
+            plugin_getter=plugin_getter,
+        ) as calls,
     ):
         selections = coop.run(
             lambda r: rank_selection(
@@ -245,6 +339,8 @@ def select_on_ranks(
                 topk=topk,
                 rank=r,
                 row_start_pad=row_start_pad,
+                replica=replica_of(r),
+                direct_max_rows=direct_max_rows,
             )
         )
     return selections, calls
@@ -580,6 +676,9 @@ def sparse_metadata(case: SparseCase, table: torch.Tensor, interleave: int) -> A
         ),
         block_table=table,
         cp_kv_cache_interleave_size=interleave,
+        # vLLM 0.34: where this step's rows start in the top-k buffer (past
+        # ShardQ's prefill rows; none here).
+        topk_start=0,
     )
 
 

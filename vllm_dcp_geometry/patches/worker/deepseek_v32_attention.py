@@ -28,6 +28,12 @@ manager's rank and the parallel config's D) with the cache's shard world
   the D-wide group (``partial_collectives: "dcp"``) the merge drops the
   duplicate replicas' candidates from its D-rank all-gather.
 
+Every other argument passes through as the layer gave it (on vLLM 0.34 also
+``logits_dtype``), except that a substituted shard world never takes 0.34's
+symmetric-memory top-k exchange (``dcp_direct_topk_max_rows`` = 0; the
+layer passes none today, so upstream's default 0 holds): that workspace
+packs ids with the DCP group's own ``(r, D)``.
+
 The sparse attention of the same layer is the generic MLA binding (the impl
 filters the selection to its shard in ``(K, r % K)``; the query gather and
 combine run within the replica, or D-wide with duplicate replicas masked).
@@ -66,6 +72,9 @@ from vllm_dcp_geometry.runtime.upstream_symbols import (
     require_class_path,
     require_global_call,
 )
+
+DIRECT_TOPK_MAX_ROWS = "dcp_direct_topk_max_rows"
+"""vLLM 0.34's indexer keyword enabling the merge's symmetric-memory exchange."""
 
 _bound_caches: list[str] = []
 """Names of the indexer caches bound in this process (empty: hand-back)."""
@@ -115,6 +124,9 @@ def _make_sparse_attn_indexer(original: Callable[..., Any]) -> Callable[..., Any
                 "was taught to replace"
             )
         kwargs["dcp_world_size"], kwargs["dcp_rank"] = geometry.shard_world
+        if DIRECT_TOPK_MAX_ROWS in kwargs:
+            # vLLM 0.34's direct top-k exchange packs with D's (rank, world).
+            kwargs[DIRECT_TOPK_MAX_ROWS] = 0
         if not geometry.is_partial:
             return original(hidden_states, k_cache_prefix, *args, **kwargs)
         with contextlib.ExitStack() as scope:
@@ -138,19 +150,28 @@ def apply(module: ModuleType) -> None:
     )
 
 
+_INDEXER_PARAMETERS = (
+    "hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights, "
+    "quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len, "
+    "total_seq_lens, topk_indices_buffer, skip_k_cache_insert, use_pcp, "
+    "pcp_shard_decode_requests, dense_mha_metadata_layer_name, "
+    "use_fp4_cache=, dcp_rank=, dcp_world_size=, "
+    "cp_kv_cache_interleave_size=, skip_topk_buffer_clear=, "
+    "candidate_blocks=, candidate_block_size=, candidate_write=, "
+    "topk_backend="
+)
+"""The indexer op's parameters on vLLM 0.33.0 (0.34.0 appends two)."""
+
 PATCH = Patch(
     upstream_module="vllm.models.deepseek_v32.attention",
     replaces=(
         Wrap(
             "sparse_attn_indexer",
-            "hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights, "
-            "quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len, "
-            "total_seq_lens, topk_indices_buffer, skip_k_cache_insert, use_pcp, "
-            "pcp_shard_decode_requests, dense_mha_metadata_layer_name, "
-            "use_fp4_cache=, dcp_rank=, dcp_world_size=, "
-            "cp_kv_cache_interleave_size=, skip_topk_buffer_clear=, "
-            "candidate_blocks=, candidate_block_size=, candidate_write=, "
-            "topk_backend=",
+            {
+                "0.33.0": _INDEXER_PARAMETERS,
+                "0.34.0": _INDEXER_PARAMETERS
+                + ", logits_dtype=, dcp_direct_topk_max_rows=",
+            },
             _make_sparse_attn_indexer,
         ),
     ),

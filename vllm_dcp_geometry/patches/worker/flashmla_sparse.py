@@ -21,7 +21,15 @@ times the config's D) that pads to another kernel envelope. Those limits are
 about the gathered query: a K = 1 group gathers none and a replica gathers
 K ranks' heads, so under D they refuse what the group never does (DeepSeek-
 V3.2 at TP8/DCP8 as two replicas of 4: 16 heads per rank pad to 64, so do
-the replica's 64, D's 128 do not).
+the replica's 64, D's 128 do not). Its own code reads the view nowhere else.
+
+Per release: vLLM 0.33.0's constructor raises both limits for every cache
+dtype (its impl also refuses a bf16 cache wherever it must return a decode
+LSE). vLLM 0.34.0 raises them for fp8 caches
+(``QUANTIZED_DS_MLA_CACHE_FORMATS``) only: its bf16 kernel returns the LSE
+for every token and pads the gathered heads itself. So on 0.34 the view
+decides an fp8 group's build as above and changes nothing for a bf16 group,
+which builds at every K as at K = D.
 
 Hand-back: D == 1, K = D and a partial group on the D-wide group run
 upstream untouched with the real config.

@@ -7,9 +7,11 @@ What: wraps ``DeepseekV32IndexerMetadataBuilder.__init__`` with the one
 taught-builder constructor (``metadata_builders.builder_init``). For an
 indexer cache with K < D, after upstream's constructor the builder's DCP
 world is the cache's shard world: ``dcp_world_size = K``, ``dcp_rank =
-r % K`` (and its device copy), and the draft-metadata update allowed only
-at K = 1 (upstream: only at DCP 1). Everything the builder derives per step
-then follows the cache: decode lengths localised with
+r % K`` (and its device copy), the draft-metadata update allowed only at
+K = 1 (upstream: only at DCP 1) and, on vLLM 0.34, prefill chunks planned
+for the fused MQA+top-k kernel exactly where the op may take it: with the
+whole context, K = 1 (upstream: DCP 1). Everything the builder derives per
+step then follows the cache: decode lengths localised with
 ``get_dcp_local_seq_lens(seq, K, s, I)`` (an identity at K = 1), the prefill
 chunks' per-query local bounds from ``build_prefill_chunk_metadata(...,
 dcp_rank=s, dcp_world_size=K)``. The indexer cache layers are then bound
@@ -56,6 +58,33 @@ def _take_shard_world(
     builder.dcp_rank_tensor = torch.tensor(shard, dtype=torch.int32, device=device)
     builder.compressed_cp_interleave_size = builder.cp_kv_cache_interleave_size
     builder.supports_draft_decode_metadata_update = shard_count == 1
+    if hasattr(builder, "fused_mqa_topk_eligible"):
+        builder.fused_mqa_topk_eligible = _fused_mqa_topk_eligible(builder)
+
+
+def _fused_mqa_topk_eligible(builder: Any) -> bool:
+    """vLLM 0.34's prefill-chunk eligibility for the fused MQA+top-k kernel,
+    re-evaluated in the builder's shard world: upstream's constructor decides
+    it with ``full_context = (D == 1)`` before the world is K, while the op
+    (handed world K) may fuse exactly when K = 1, every rank holding the whole
+    context. Same inputs as upstream's (the indexer's heads, head size,
+    top-k per pool, FP4 cache)."""
+    from vllm.v1.attention.backends.mla import indexer
+
+    model_config = builder.vllm_config.model_config
+    cfg = model_config.hf_text_config if model_config is not None else None
+    if cfg is None:
+        return False
+    eligible: bool = indexer.use_fused_mqa_topk(
+        query_shape=(
+            getattr(cfg, "index_n_heads", 0),
+            getattr(cfg, "index_head_dim", 0),
+        ),
+        topk=getattr(cfg, "index_topk", 0) // (getattr(cfg, "index_kpool", None) or 1),
+        fp4_cache=builder.indexer_uses_fp4,
+        full_context=builder.dcp_world_size == 1,
+    )
+    return eligible
 
 
 BUILDER_TEACHING = BuilderTeaching(
@@ -86,6 +115,15 @@ PATCH = Patch(
         Pin(
             "DeepseekV32IndexerMetadataBuilder.build",
             "self, common_prefix_len, common_attn_metadata, fast_build=",
+        ),
+        # Relied on (0.34): the fused MQA+top-k eligibility rule recomputed
+        # in the shard world.
+        Pin(
+            "use_fused_mqa_topk",
+            {
+                "0.34.0": "*, query_shape, topk, fp4_cache, full_context, "
+                "candidate_selection="
+            },
         ),
     ),
     remove_with=(
