@@ -5,6 +5,9 @@
     python -m benchmarks.gpu_slot_mapping            # needs CUDA; else exits 0
     python -m benchmarks.gpu_slot_mapping --allow-cpu  # smoke test only
 
+Model Runner V1 exists on vLLM 0.33.0 only: on 0.34.0, which removed it, the
+benchmark exits 2 saying so.
+
 For mixed topologies (the default profile: sharded MLA, Mamba align and a
 replicated draft group; and ``partial-shard-tp8-dcp8``: K = 8, K = 4 and a
 replicated draft), each fresh process builds vLLM's real
@@ -351,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
         "--child", choices=("patched", "unpatched"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
+    from vllm_dcp_geometry.tooling.vllm_release import has_model_runner_v1, vllm_release
+
+    if not has_model_runner_v1():
+        print(
+            f"gpu_slot_mapping: vLLM {vllm_release()} removed Model Runner V1, "
+            "whose slot-mapping path this benchmark times",
+            file=sys.stderr,
+        )
+        return 2
     cpu = args.allow_cpu and os.environ.get("CUDA_VISIBLE_DEVICES") == ""
     if args.child:
         print(json.dumps(child(args.child == "patched", cpu)))

@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm.v1.worker.block_table import get_block_table_width
 
 from tests.support.processes import run_python
+from vllm_dcp_geometry._version import installed_vllm_version
 from vllm_dcp_geometry.contract import (
     attention_block_table_width,
     recurrent_align_block_table_width,
 )
+from vllm_dcp_geometry.runtime.geometry import upstream_get_block_table_width
 from vllm_dcp_geometry.tooling.cli import EXIT_OK, main
 from vllm_dcp_geometry.tooling.topology import load_profile
 
@@ -56,7 +57,7 @@ def test_default_profile_widths_follow_the_contract(capsys):
     assert draft["block_table_width"] == draft["block_table_width_aligned"] == 2605
     for g in plan["groups"]:
         alignment = None if g["kind"] == "mamba" else 128
-        aligned = get_block_table_width(
+        aligned = upstream_get_block_table_width()(
             g["block_table_width"], g["block_size"], token_alignment=alignment
         )
         assert g["block_table_width_aligned"] == aligned
@@ -125,8 +126,11 @@ def test_upstream_column_matches_a_fresh_unpatched_vllm(capsys, tmp_path: Path):
 def test_text_table_and_console_script(capsys):
     assert main(["plan", "--profile", "partial-shard-tp8-dcp8"]) == EXIT_OK
     text = capsys.readouterr().out
-    assert "attn.k4" in text and "vs 0.33.0" in text
-    assert "differs from 0.33.0 in: attn.k4" in text
+    # The unpatched columns and the header name the release the plan ran on.
+    release = installed_vllm_version()
+    assert text.startswith(f"topology partial-shard-tp8-dcp8 on vLLM {release}: ")
+    assert "attn.k4" in text and f"vs {release}" in text
+    assert f"differs from {release} in: attn.k4" in text
 
     script = Path(sys.executable).with_name("vllm-dcp-geometry")
     result = subprocess.run(

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.simulate import (
+    MODEL_RUNNER_V1,
+    RUNNERS,
     SimulationOptions,
     group_index,
     hybrid,
@@ -80,7 +82,7 @@ def _clean(report: dict) -> None:
     assert report["slot_writes_checked"] > 0
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("workload", ["replay", "mixed"])
 def test_patched_simulation_is_clean_at_dcp4(v2_on_cpu, runner, workload):
     report = _simulate(4, runner, workload)
@@ -98,14 +100,23 @@ def test_patched_simulation_is_clean_at_dcp4(v2_on_cpu, runner, workload):
         assert 0 < report["accepted_draft_tokens"] < report["draft_tokens"]
 
 
-@pytest.mark.parametrize(("dcp", "runner"), [(2, "v1"), (2, "v2"), (1, "v1")])
+@pytest.mark.parametrize(
+    ("dcp", "runner"),
+    [
+        pytest.param(2, "v1", marks=MODEL_RUNNER_V1),
+        (2, "v2"),
+        pytest.param(1, "v1", marks=MODEL_RUNNER_V1),
+        # D = 1 on the one runner a release without V1 has.
+        pytest.param(1, "v2", marks=pytest.mark.vllm_releases("0.34.0")),
+    ],
+)
 def test_patched_mixed_simulation_is_clean_at_dcp1_and_2(v2_on_cpu, dcp, runner):
     report = _simulate(dcp, runner, "mixed")
     _clean(report)
     assert report["ranks"] == dcp
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_a_shifted_shard_is_caught(v2_on_cpu, runner):
     topology = hybrid(4)
     broken = group_index(topology, "attn.k2")
@@ -129,6 +140,7 @@ def test_a_shifted_shard_is_caught(v2_on_cpu, runner):
         assert by_group["attn.k2"]["kernel_mismatch"] > 0
 
 
+@MODEL_RUNNER_V1
 def test_cli_json_receipt_and_unpatched_baseline_on_model_runner_v1(
     capsys, tmp_path: Path
 ):
@@ -169,13 +181,13 @@ def test_unpatched_model_runner_v2_breaks_only_the_partial_group(capsys, tmp_pat
     assert main([*argv, "--no-progress", "--baseline"]) == 0
     baseline = json.loads(capsys.readouterr().out)["baseline"]
     by_group = {g["name"]: g["violations"] for g in baseline["groups"]}
-    # vLLM 0.33.0's V2 tables already honour dcp_sharded=False; only the K = 2
-    # group, which it cannot express, breaks.
+    # vLLM's V2 tables (0.33.0 and 0.34.0) already honour dcp_sharded=False;
+    # only the K = 2 group, which vLLM cannot express, breaks.
     assert by_group["attn.k2"]["unwritten"] > 0
     assert not by_group["draft"] and not by_group["attn.kD"]
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_dcp1_patched_and_unpatched_runs_are_identical(capsys, tmp_path, runner):
     topology = tmp_path / "hybrid.json"
     topology.write_text(json.dumps(hybrid_mapping(1)))
@@ -191,16 +203,49 @@ def test_dcp1_patched_and_unpatched_runs_are_identical(capsys, tmp_path, runner)
     assert report["preemptions"] > 0 and report["draft_tokens"] > 0
 
 
-def test_unpatched_run_exits_1(tmp_path):
+@pytest.mark.parametrize(
+    ("runner", "dcp"),
+    [
+        # V1 gives the replicated draft group a sharded slot mapping.
+        pytest.param("v1", 2, marks=MODEL_RUNNER_V1),
+        # V2 cannot express the K = 2 group of D = 4.
+        ("v2", 4),
+    ],
+)
+def test_unpatched_run_exits_1(tmp_path, runner, dcp):
     from vllm_dcp_geometry.tooling.fresh_process import run_fresh_python
 
     topology = tmp_path / "hybrid.json"
-    topology.write_text(json.dumps(hybrid_mapping(2)))
+    topology.write_text(json.dumps(hybrid_mapping(dcp)))
     argv = ["-m", "vllm_dcp_geometry", "simulate", "-t", str(topology), "--json"]
-    argv += ["--no-progress", "--unpatched-baseline", "--tokens", "512"]
+    argv += ["--runner", runner, "--no-progress", "--unpatched-baseline"]
+    argv += ["--tokens", "512"]
     # Exit status 1, nothing else, is accepted: a violation was found.
     report = run_fresh_python(argv, patched=False, ok_returncodes=(1,))
-    assert report["violations"]["unwritten"] == 511
+    if runner == "v1":
+        assert report["violations"]["unwritten"] == 511
+    else:
+        by_group = {g["name"]: g["violations"] for g in report["groups"]}
+        assert by_group["attn.k2"]["unwritten"] > 0
+
+
+@pytest.mark.vllm_releases("0.34.0")
+def test_model_runner_v1_is_refused_where_vllm_removed_it(capsys):
+    assert main(["simulate", "--runner", "v1", "--tokens", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM 0.34.0 removed Model Runner V1" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_text_names_the_vllm_release(capsys, tmp_path):
+    from vllm_dcp_geometry._version import installed_vllm_version
+
+    topology = tmp_path / "hybrid.json"
+    topology.write_text(json.dumps(hybrid_mapping(2)))
+    argv = ["simulate", "-t", str(topology), "--tokens", "256", "--no-progress"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"on patched vLLM {installed_vllm_version()}, Model Runner" in first
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,9 @@ groups; vLLM's scheduler with several requests live), one step's real slot
 mappings, rows and geometry are handed to each check with one thing broken;
 the check must report it. The shifted-shard hook (``test_cli_simulate``)
 covers ``unwritten``/``written_twice`` and V2's ``kernel_mismatch``; the
-unpatched baselines there show ``local_lengths`` on real vLLM 0.33.0.
+unpatched baselines there show ``local_lengths`` on real vLLM. The runs use
+the installed release's default runner (V1 on 0.33.0, V2 on 0.34.0, which
+removed V1): the checks are the same on both.
 
 Cost: about 15 s on 2 cores.
 """
@@ -18,11 +20,16 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests.support.simulate import SimulationOptions, group_index, hybrid
 from vllm_dcp_geometry.tooling.cli.simulate.checks import Checker
 from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
 from vllm_dcp_geometry.tooling.cli.simulate.workers import V1Workers
+from vllm_dcp_geometry.tooling.cli.simulate.workers_v2 import V2Workers
+
+# Model Runner V2's real BlockTables build on CPU where V2 is the runner.
+pytestmark = pytest.mark.usefixtures("v2_on_cpu")
 
 LIGHT = {"requests": 12, "step_tokens": 1024}
 
@@ -40,9 +47,7 @@ def _first_busy_step(probe: Any, **options: Any) -> dict:
     options = {**LIGHT, **options}
     report = run_simulation(
         hybrid(4),
-        SimulationOptions(
-            runner="v1", workload="mixed", progress=False, on_step=on_step, **options
-        ),
+        SimulationOptions(workload="mixed", progress=False, on_step=on_step, **options),
     )
     assert done["probed"] is None
     return report
@@ -78,7 +83,7 @@ def test_a_block_written_for_a_released_request_is_shared(monkeypatch) -> None:
     monkeypatch.setattr(Checker, "release", lambda self, req_ids: None)
     report = run_simulation(
         hybrid(4),
-        SimulationOptions(runner="v1", workload="mixed", progress=False, **LIGHT),
+        SimulationOptions(workload="mixed", progress=False, **LIGHT),
     )
     assert report["violations"]["shared_slot"] > 0
     assert report["violations"]["foreign_slot"] == 0
@@ -107,16 +112,18 @@ def test_a_row_past_its_table_is_a_width_violation() -> None:
         if view.step != 1:
             return
         # The first scheduler output again, on tables sized for 64 tokens.
-        narrow = V1Workers(dataclasses.replace(view.workers.setup, max_len=64))
+        setup = dataclasses.replace(view.workers.setup, max_len=64)
+        if view.workers.runner == "v1":
+            narrow: Any = V1Workers(setup)
+        else:
+            narrow = V2Workers(setup, real=False)
         narrow.update(view.scheduler_output)
         view.checker.check_overflows(view.step, narrow.overflows, narrow.widths)
         seen.append(len(narrow.overflows))
 
     report = run_simulation(
         hybrid(4),
-        SimulationOptions(
-            runner="v1", workload="mixed", progress=False, on_step=on_step, **LIGHT
-        ),
+        SimulationOptions(workload="mixed", progress=False, on_step=on_step, **LIGHT),
     )
     assert seen and seen[0] > 0
     assert report["violations"]["table_width"] == seen[0]

@@ -4,7 +4,7 @@
 against vLLM's own code on inputs where both run (this process: CPU, the
 Triton interpreter, pinned memory off).
 
-- Model Runner V1: the same ``SchedulerOutput``s of a mixed workload (chunked
+- Model Runner V1 (vLLM 0.33.0 only; 0.34.0 removed it): the same ``SchedulerOutput``s of a mixed workload (chunked
   prefill, prefix hits, preemption, drafts) go to the simulator's tables and
   to vLLM's real ``GPUModelRunner._update_states`` driving a real
   ``InputBatch`` built by the real ``may_reinitialize_input_batch``: the
@@ -30,7 +30,12 @@ import numpy as np
 import pytest
 
 from tests.support import worker
-from tests.support.simulate import SimulationOptions, hybrid
+from tests.support.simulate import (
+    MODEL_RUNNER_V1,
+    RUNNERS,
+    SimulationOptions,
+    hybrid,
+)
 from vllm_dcp_geometry.tooling.cli.simulate.checks import KINDS
 from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
 
@@ -129,6 +134,7 @@ def _compare_v1_step(
         assert np.array_equal(cumsum, batch.query_start_loc[1:])
 
 
+@MODEL_RUNNER_V1
 @pytest.mark.parametrize("dcp", [1, 4])
 def test_v1_bookkeeping_matches_update_states(monkeypatch, dcp):
     import vllm.v1.worker.gpu_model_runner as gpu_model_runner
@@ -217,7 +223,7 @@ def test_v2_request_indices_match_request_state(v2_on_cpu):
     assert report["ok"], report["violation_items"]
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_twin_matches_vllm_kernels_with_interleave(v2_on_cpu, runner):
     topology = hybrid(4).with_layout(interleave=8)
     report = run_simulation(

@@ -255,6 +255,7 @@ REPLICATED_LAYOUTS = {
 }
 
 
+@pytest.mark.vllm_releases("0.33.0")  # Model Runner V1: gone in 0.34.0
 @pytest.mark.parametrize("dcp", [1, 4])
 @pytest.mark.parametrize("layout", sorted(DEFAULT_LAYOUTS))
 def test_v1_input_batch_hands_back(layout: str, dcp: int) -> None:
@@ -267,6 +268,7 @@ def test_v1_input_batch_hands_back(layout: str, dcp: int) -> None:
     )
 
 
+@pytest.mark.vllm_releases("0.33.0")  # Model Runner V1: gone in 0.34.0
 @pytest.mark.parametrize("layout", sorted(REPLICATED_LAYOUTS))
 def test_v1_reads_only_d_for_a_replicated_group(layout: str) -> None:
     """Upstream V1 gives every token-slot table the global D, wrong for a
@@ -425,6 +427,7 @@ def test_v2_patched_path_runs_where_upstream_is_wrong(
 # vLLM's own unit tests: doubles of their own -----------------------------------
 
 
+@pytest.mark.vllm_releases("0.33.0")  # Model Runner V1: gone in 0.34.0
 def test_v1_hands_back_a_spec_double(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's ``test_input_batch_reinitialized_after_late_interleave_adjustment``
     passes a spec that is no ``KVCacheSpec`` and a config without a parallel

@@ -20,6 +20,7 @@ import torch
 
 from tests.support import scheduler as topo
 from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.tooling.vllm_release import has_model_runner_v1
 
 pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",
@@ -118,7 +119,25 @@ def run_v2(config: Any) -> dict[str, Any]:
     return GPUModelRunner.get_kv_cache_spec(runner)
 
 
-RUNNERS = pytest.mark.parametrize("run", [run_v1, run_v2], ids=["v1", "v2"])
+RUNNERS = pytest.mark.parametrize(
+    "run",
+    [
+        # Model Runner V1 exists on vLLM 0.33.0 only (0.34.0 removed it).
+        pytest.param(run_v1, id="v1", marks=pytest.mark.vllm_releases("0.33.0")),
+        pytest.param(run_v2, id="v2"),
+    ],
+)
+
+
+def run_default(config: Any) -> dict[str, Any]:
+    """The release's first runner: V1 where it exists (0.33.0), else V2."""
+    return run_v1(config) if has_model_runner_v1() else run_v2(config)
+
+
+def release_runners() -> tuple[Any, ...]:
+    """Every runner the installed release has."""
+    return (run_v1, run_v2) if has_model_runner_v1() else (run_v2,)
+
 
 OPERATOR_LAYERS = {
     "model.layers.3.self_attn.attn": 4,
@@ -237,8 +256,8 @@ def test_engine_core_checks_every_worker(make_config) -> None:
     from vllm_dcp_geometry.runtime.spec_overrides import check_applied
 
     config = make_config(OPERATOR_LAYERS)
-    applied = run_v1(config)
-    plain = run_v1(make_config({}))
+    applied = run_default(config)
+    plain = run_default(make_config({}))
     # A worker without the plugin reports the runner's own geometry.
     with pytest.raises(DcpGeometryError, match="plugin loaded in every worker"):
         get_global_kv_cache_groups(config, [applied, plain])
@@ -301,7 +320,7 @@ def test_engine_args_carry_overrides_from_the_cli(tmp_path, monkeypatch) -> None
     context = engine_config.compilation_config.static_forward_context
     for i in (0, 1):
         context[f"model.layers.{i}.self_attn.attn"] = layer_cls(topo.attention_spec())
-    for run in (run_v1, run_v2):
+    for run in release_runners():
         specs = run(engine_config)
         assert specs["model.layers.1.self_attn.attn"].dcp_kv_shard_count == 2
         assert specs["model.layers.0.self_attn.attn"] == topo.attention_spec()
@@ -309,4 +328,4 @@ def test_engine_args_carry_overrides_from_the_cli(tmp_path, monkeypatch) -> None
         "dcp_geometry": {"layers": {"model.layers.1.self_attn.attn": 3}}
     }
     with pytest.raises(DcpGeometryError, match=r"K=3 must divide .*D=4"):
-        run_v1(engine_config)
+        run_default(engine_config)

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
-from vllm.v1.worker.block_table import get_block_table_width
 
 from tests.support import worker as h
 from tests.support.specs import mamba_align
@@ -38,7 +37,11 @@ from vllm_dcp_geometry.patches.worker import (
 from vllm_dcp_geometry.patches.worker import (
     gpu_model_runner_v2 as v2_runner_patch,
 )
-from vllm_dcp_geometry.runtime.geometry import block_table_layout, input_batch_layout
+from vllm_dcp_geometry.runtime.geometry import (
+    block_table_layout,
+    input_batch_layout,
+    upstream_get_block_table_width,
+)
 from vllm_dcp_geometry.runtime.patching import original_of
 
 pytestmark = pytest.mark.patches(
@@ -58,24 +61,43 @@ def full(block_size: int = 64, **kw: Any) -> k.FullAttentionSpec:
     return k.FullAttentionSpec(block_size=block_size, **ATTN, **kw)
 
 
-def test_worker_patches_apply_and_wrap_upstream() -> None:
+MODEL_RUNNER_V1 = pytest.mark.vllm_releases("0.33.0")
+"""Model Runner V1 exists on vLLM 0.33.0 only (0.34.0 removed it)."""
+
+
+def _assert_wrapped(rows: Any) -> None:
+    for patch, upstream, owner, name in rows:
+        assert plugin.applied_patches()[patch.__name__] == upstream.__name__
+        assert original_of(owner.__dict__[name]) is not owner.__dict__[name]
+
+
+@MODEL_RUNNER_V1
+def test_v1_worker_patches_apply_and_wrap_upstream() -> None:
     import vllm.v1.worker.block_table as bt
+    import vllm.v1.worker.gpu_model_runner as mr
+
+    _assert_wrapped(
+        (
+            (v1_patch, bt, bt.BlockTable, "__init__"),
+            (v1_patch, bt, bt.MultiGroupBlockTable, "__init__"),
+            (v1_runner_patch, mr, mr.GPUModelRunner, "may_reinitialize_input_batch"),
+        )
+    )
+
+
+def test_worker_patches_apply_and_wrap_upstream() -> None:
     import vllm.v1.worker.gpu.block_table as gbt
     import vllm.v1.worker.gpu.model_runner as gmr
     import vllm.v1.worker.gpu.spec_decode.dflash.speculator as dfs
-    import vllm.v1.worker.gpu_model_runner as mr
 
-    for patch, upstream, owner, name in (
-        (v1_patch, bt, bt.BlockTable, "__init__"),
-        (v1_patch, bt, bt.MultiGroupBlockTable, "__init__"),
-        (v1_runner_patch, mr, mr.GPUModelRunner, "may_reinitialize_input_batch"),
-        (v2_patch, gbt, gbt.BlockTables, "__init__"),
-        (v2_patch, gbt, gbt.BlockTables, "compute_slot_mappings"),
-        (v2_runner_patch, gmr, gmr.GPUModelRunner, "initialize_kv_cache"),
-        (dflash_patch, dfs, dfs.DFlashSpeculator, "set_attn"),
-    ):
-        assert plugin.applied_patches()[patch.__name__] == upstream.__name__
-        assert original_of(owner.__dict__[name]) is not owner.__dict__[name]
+    _assert_wrapped(
+        (
+            (v2_patch, gbt, gbt.BlockTables, "__init__"),
+            (v2_patch, gbt, gbt.BlockTables, "compute_slot_mappings"),
+            (v2_runner_patch, gmr, gmr.GPUModelRunner, "initialize_kv_cache"),
+            (dflash_patch, dfs, dfs.DFlashSpeculator, "set_attn"),
+        )
+    )
 
 
 # Model Runner V1 -------------------------------------------------------------------
@@ -101,6 +123,7 @@ def registered_slot_warmups(runner: Any) -> list[dict[str, Any]]:
     return [kw for _, kw in registrations.get(bt._COMPUTE_SLOT_MAPPING_KERNEL, [])]
 
 
+@MODEL_RUNNER_V1
 def test_v1_runner_builds_tables_from_the_specs() -> None:
     config = make_vllm_config(16, real=True)
     kv_config = h.kv_cache_config(v1_specs())
@@ -139,6 +162,7 @@ def test_v1_runner_builds_tables_from_the_specs() -> None:
     assert warm == {(16, 6), (4, 2), (1, 0)}
 
 
+@MODEL_RUNNER_V1
 def test_v1_runner_rebuilds_where_upstream_sees_no_change() -> None:
     # One replicated group whose block size and width equal the placeholder
     # the runner starts with: upstream keeps its placeholder tables, which use
@@ -165,6 +189,7 @@ def test_v1_runner_rebuilds_where_upstream_sees_no_change() -> None:
     assert runner.input_batch is batch  # nothing changed: no second rebuild
 
 
+@MODEL_RUNNER_V1
 def test_v1_runner_at_dcp1_calls_upstream_unchanged() -> None:
     config = make_vllm_config(1, real=True)
     kv_config = h.kv_cache_config(v1_specs())
@@ -180,6 +205,7 @@ def test_v1_runner_at_dcp1_calls_upstream_unchanged() -> None:
     assert not hasattr(runner.input_batch.block_table, "dcp_geometry_layout")
 
 
+@MODEL_RUNNER_V1
 def test_v1_slot_mode_and_alignment_come_from_the_spec() -> None:
     config = make_vllm_config(4)
     specs = [
@@ -193,7 +219,9 @@ def test_v1_slot_mode_and_alignment_come_from_the_spec() -> None:
     assert (ring.uses_slot_mapping, ring.width) == (False, 1)
     assert (hot.uses_slot_mapping, hot.width) == (False, 3)
     assert plain.uses_slot_mapping
-    assert plain.width == get_block_table_width(8192 // 64, 16, token_alignment=128)
+    assert plain.width == upstream_get_block_table_width()(
+        8192 // 64, 16, token_alignment=128
+    )
     tables = h.build_v1_tables(
         [t.block_size for t in layout.tables],
         [t.max_num_blocks_per_req for t in layout.tables],
@@ -215,6 +243,7 @@ def test_v1_slot_mode_and_alignment_come_from_the_spec() -> None:
     ]
 
 
+@MODEL_RUNNER_V1
 def test_v1_layout_must_match_the_runner_arguments() -> None:
     layout = block_table_layout(
         [("a", full(16)), ("b", full(16, dcp_sharded=False))],

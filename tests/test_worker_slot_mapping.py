@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm.v1.worker.block_table import get_block_table_width
 
 from tests.support import worker as h
 from tests.support.processes import run_python
@@ -42,7 +41,10 @@ from tests.support.slot_mapping import (
 )
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import contract as c
-from vllm_dcp_geometry.runtime.geometry import block_table_layout
+from vllm_dcp_geometry.runtime.geometry import (
+    block_table_layout,
+    upstream_get_block_table_width,
+)
 
 pytestmark = pytest.mark.patches(
     "worker.block_table", "worker.gpu_model_runner", "worker.gpu_block_table"
@@ -50,10 +52,15 @@ pytestmark = pytest.mark.patches(
 
 REPO = str(Path(__file__).resolve().parents[1])
 
+MODEL_RUNNER_V1 = pytest.mark.vllm_releases("0.33.0")
+"""Model Runner V1 exists on vLLM 0.33.0 only (0.34.0 removed it); the
+unpatched and D = 1 baselines run V1 and V2 side by side."""
+
 
 # The sweep: D in {1, 2, 4, 8, 16}, every K | D, I in {1, 16, B} -----------------
 
 
+@MODEL_RUNNER_V1
 @pytest.mark.parametrize(("dcp", "interleave"), SWEEP)
 def test_v1_every_rank_matches_reference(dcp: int, interleave: int) -> None:
     slots, scenario = v1_sweep(dcp, interleave)
@@ -80,7 +87,7 @@ def test_mixed_topology_widths_match_the_contract() -> None:
     assert [t.width for t in layout.tables] == [978, 3908, 15626, 1310]
     assert [t.uses_slot_mapping for t in layout.tables] == [True, True, True, False]
     for table, kk in zip(layout.tables[:3], MIXED_COUNTS[:3], strict=True):
-        assert table.width == get_block_table_width(
+        assert table.width == upstream_get_block_table_width()(
             c.attention_block_table_width(L, 64, kk), 64, token_alignment=128
         )
     assert layout.tables[3].width == c.recurrent_align_block_table_width(L, 768, 7)
@@ -88,6 +95,7 @@ def test_mixed_topology_widths_match_the_contract() -> None:
     assert v2["max_num_blocks_per_group"] == [t.width for t in layout.tables]
 
 
+@MODEL_RUNNER_V1
 def test_mixed_topology_v1_every_rank() -> None:
     scenario = mixed_scenario()
     check_mixed(mixed_v1_slots(scenario), scenario, 3, "V1 mixed")
@@ -126,6 +134,7 @@ def unpatched() -> dict[str, Any]:
     return run_unpatched(UNPATCHED_CODE, unpatched_mixed_data())
 
 
+@MODEL_RUNNER_V1
 def test_unpatched_vllm_fails_the_same_checks(unpatched: dict[str, Any]) -> None:
     check_unpatched_mixed_fails(unpatched["mixed"])
 
@@ -133,6 +142,7 @@ def test_unpatched_vllm_fails_the_same_checks(unpatched: dict[str, Any]) -> None
 # D = 1 is byte-identical to unpatched vLLM ----------------------------------------
 
 
+@MODEL_RUNNER_V1
 def test_dcp1_is_byte_identical_to_unpatched(
     unpatched: dict[str, Any], v2_on_cpu: None
 ) -> None:

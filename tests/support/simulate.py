@@ -21,8 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from vllm_dcp_geometry.tooling.cli.simulate import options
 from vllm_dcp_geometry.tooling.topology import Topology, topology_from_mapping
+
+MODEL_RUNNER_V1 = pytest.mark.vllm_releases("0.33.0")
+"""Model Runner V1 exists on vLLM 0.33.0 only (0.34.0 removed it)."""
+
+RUNNERS = [pytest.param("v1", marks=MODEL_RUNNER_V1), "v2"]
+"""Both model runners, for ``parametrize``: V1 where the release has it."""
 
 # Hooks ----------------------------------------------------------------------------
 

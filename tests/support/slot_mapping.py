@@ -22,13 +22,15 @@ import numpy as np
 import pytest
 import torch
 from vllm.v1 import kv_cache_interface as k
-from vllm.v1.worker.block_table import get_block_table_width
 
 from tests.support import worker as h
 from tests.support.sweeps import divisors
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import contract as c
-from vllm_dcp_geometry.runtime.geometry import block_table_layout
+from vllm_dcp_geometry.runtime.geometry import (
+    block_table_layout,
+    upstream_get_block_table_width,
+)
 from vllm_dcp_geometry.tooling.cli.simulate.workers import emulate_dcp_group
 
 ATTN = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
@@ -156,7 +158,7 @@ def v1_sweep(
         )
         for table, kk in zip(tables.block_tables, counts, strict=True):
             assert (table.dcp_world_size, table.dcp_rank) == (kk, rank % kk)
-            assert table.max_num_blocks_per_req == get_block_table_width(
+            assert table.max_num_blocks_per_req == upstream_get_block_table_width()(
                 c.attention_block_table_width(MAX_LEN, BLOCK, kk),
                 BLOCK,
                 token_alignment=128,

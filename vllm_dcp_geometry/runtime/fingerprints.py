@@ -10,7 +10,7 @@ it, a reworded docstring or a moved line does not.
 
 What is hashed: a function's or class's own source; for a method a dataclass
 generated (no source of its own), the class that generates it; for an object
-(a kernel launcher), its class and the kernel it launches; for a plain value
+(a kernel launcher), its class; for a plain value
 (a constant, a field default), its type and ``repr``. No vLLM import.
 """
 
@@ -91,13 +91,10 @@ def class_digest(cls: type) -> str:
 def _value_digest(value: Any) -> str:
     cls = type(value)
     if cls.__module__ != "builtins":
-        # An object (a kernel launcher, say): its class's code and the kernel
-        # it launches say what it does; its repr would name an address.
-        parts = [class_digest(cls)]
-        kernel_fn = getattr(getattr(value, "kernel", None), "fn", None)
-        if kernel_fn is not None:
-            parts.append(source_digest(inspect.getsource(kernel_fn)))
-        return "instance:" + "+".join(parts)
+        # An object (a kernel launcher, say): its class's code says what it
+        # does (its repr would name an address; what it holds can depend on
+        # the process, an interpreted kernel or a CPU stand-in).
+        return "instance:" + class_digest(cls)
     text = f"{cls.__qualname__}:{value!r}"
     return "value:" + hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_LENGTH]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from vllm_dcp_geometry.contract import (
@@ -136,13 +137,50 @@ BLOCK_TABLE_ENTRY_BYTES = 4
 """vLLM's block tables hold int32 block ids."""
 
 
+BLOCK_TABLE_WIDTH_HOMES: dict[str, str] = {
+    "0.33.0": "vllm.v1.worker.block_table",
+    "0.34.0": "vllm.v1.kv_cache_interface",
+}
+"""Where each known vLLM release defines ``get_block_table_width``: 0.34.0
+moved it out of Model Runner V1's ``block_table`` module when it removed that
+runner."""
+
+
+@cache
+def upstream_get_block_table_width() -> Callable[..., int]:
+    """vLLM's ``get_block_table_width`` from its home on the installed release.
+
+    A known release is asked at its recorded home only, so a symbol that went
+    missing there raises instead of being found somewhere else. A release the
+    plugin does not know (the version override) is asked at each known home,
+    newest first; where none has it, that raises too.
+    """
+    import importlib
+
+    from vllm_dcp_geometry._version import installed_vllm_version
+
+    installed = installed_vllm_version()
+    known = BLOCK_TABLE_WIDTH_HOMES.get(installed or "")
+    homes = [known] if known else list(reversed(BLOCK_TABLE_WIDTH_HOMES.values()))
+    for home in homes:
+        try:
+            module = importlib.import_module(home)
+        except ModuleNotFoundError:
+            continue
+        if hasattr(module, "get_block_table_width"):
+            return module.get_block_table_width  # type: ignore[no-any-return]
+    raise ImportError(
+        f"vLLM {installed} defines no get_block_table_width in "
+        f"{' or '.join(homes)}; vllm-dcp-geometry cannot size block tables on it"
+    )
+
+
 def runner_table_width(spec: Any, max_num_blocks: int) -> int:
     """Rule W3: columns of a worker's block table for ``spec``: ``max_num_blocks``
     (``spec.max_num_blocks_per_req``) aligned by vLLM's own
     ``get_block_table_width`` to ``spec.block_table_token_alignment``, as
-    both model runners size their tables."""
-    from vllm.v1.worker.block_table import get_block_table_width
-
+    every model runner sizes its tables."""
+    get_block_table_width = upstream_get_block_table_width()
     return get_block_table_width(
         max_num_blocks,
         spec.block_size,

@@ -460,6 +460,10 @@ class _DeviceHandleNotHere:
 CUDA_HANDLES = ("Stream", "Event")
 
 
+def _device_zero() -> int:
+    return 0
+
+
 @contextlib.contextmanager
 def ops_bound_not_run(
     namespaces: Sequence[str] = ("_C", "_moe_C", "_flashkda_C"),
@@ -473,6 +477,11 @@ def ops_bound_not_run(
     handles = {name: getattr(torch.cuda, name) for name in CUDA_HANDLES}
     for name in CUDA_HANDLES:
         setattr(torch.cuda, name, _DeviceHandleNotHere)
+    # vLLM 0.34.0's FlashMLA sparse impl sizes itself by the current device's
+    # SMs when built; a planning build is device 0 (the platform answers the
+    # SMs), where asking torch would initialise CUDA.
+    device_index = torch.accelerator.current_device_index
+    torch.accelerator.current_device_index = _device_zero
     swapped = []
     for namespace in namespaces:
         ops = getattr(torch.ops, namespace)
@@ -486,6 +495,7 @@ def ops_bound_not_run(
             ops.__class__ = original
         for name, handle in handles.items():
             setattr(torch.cuda, name, handle)
+        torch.accelerator.current_device_index = device_index
 
 
 def install_planning_stand_ins() -> list[str]:

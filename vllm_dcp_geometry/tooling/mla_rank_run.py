@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_dcp_geometry.tooling.vllm_release import process_weights_after_loading
+
 # The float64 reference -----------------------------------------------------------
 
 
@@ -159,7 +161,7 @@ def build_mla_layer(
         )
     rows = shape.heads_per_rank * (shape.nope_dim + shape.v_head_dim)
     kv_b_proj.weight.data.copy_(kv_b_weight[rank * rows : (rank + 1) * rows])
-    layer.process_weights_after_loading(dtype)
+    process_weights_after_loading(layer, dtype)
     return layer
 
 

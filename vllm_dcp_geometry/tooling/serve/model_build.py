@@ -15,12 +15,14 @@ core does at start-up.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 from vllm_dcp_geometry.tooling.cpu_stand_ins import KernelNotHere, ops_bound_not_run
 from vllm_dcp_geometry.tooling.topology import TopologyError
+from vllm_dcp_geometry.tooling.vllm_release import has_model_runner_v1
 
 GROUP_SIZES = ("tp", "pp", "dcp", "pcp", "dp", "ep", "world")
 
@@ -112,7 +114,8 @@ def _load_draft(target: Any, vllm_config: Any) -> Any:
     spec = vllm_config.speculative_config
     if spec is None or spec.draft_model_config is None:
         return None
-    if vllm_config.use_v2_model_runner:
+    _check_draft_dcp(vllm_config)
+    if _runs_model_runner_v2(vllm_config):
         from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
         from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
         from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
@@ -129,6 +132,32 @@ def _load_draft(target: Any, vllm_config: Any) -> Any:
             "EAGLE/MTP, DFlash and DSpark drafts only"
         )
     return loader(target, vllm_config)
+
+
+def _runs_model_runner_v2(vllm_config: Any) -> bool:
+    """Whether the workers would run Model Runner V2: the config says where
+    the release has both runners (0.33.0 falls back to V1 for features V2
+    lacks); a release without V1 (0.34.0) has no such attribute and runs V2."""
+    if not has_model_runner_v1():
+        return True
+    return bool(vllm_config.use_v2_model_runner)
+
+
+def _check_draft_dcp(vllm_config: Any) -> None:
+    """Refuse a draft built at its own DCP size (0.34.0's
+    ``draft_decode_context_parallel_size``): its speculator rebuilds the
+    draft under another parallel config, which a planning build does not
+    model, so its groups would be planned at the target's D."""
+    spec = vllm_config.speculative_config
+    dcp = getattr(spec, "draft_decode_context_parallel_size", None)
+    target = vllm_config.parallel_config.decode_context_parallel_size
+    if dcp is not None and dcp != target:
+        raise TopologyError(
+            f"--speculative-config draft_decode_context_parallel_size={dcp}: "
+            f"planning builds the draft at the target's DCP size ({target}) "
+            "only; leave it unset, or replicate the draft's layers with "
+            "--additional-config dcp_geometry overrides"
+        )
 
 
 def _v1_loader(spec: Any) -> Any:
@@ -202,12 +231,15 @@ def collect_kv_cache_specs(vllm_config: Any) -> tuple[list[CollectedLayer], int]
     import torch
     import vllm.platforms
     from vllm.config import set_current_vllm_config
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.workspace import init_workspace_manager
 
     install_sizing_groups(vllm_config.parallel_config)
     # Some impls reserve workspace when built, as a worker's device allows.
     init_workspace_manager(torch.device("meta"))
+    # The model loader's imports probe vLLM's ops with hasattr (0.34.0's
+    # layers.utils -> _cpu_ops registers fakes for the ops it finds), so they
+    # run before ops_bound_not_run makes every op look present.
+    importlib.import_module("vllm.model_executor.model_loader.utils")
     with set_current_vllm_config(vllm_config), torch.device("meta"):
         try:
             with ops_bound_not_run():
@@ -217,8 +249,7 @@ def collect_kv_cache_specs(vllm_config: Any) -> tuple[list[CollectedLayer], int]
         except Exception as exc:
             raise _build_error(vllm_config, exc) from exc
         vllm.platforms.current_platform.update_block_size_for_backend(vllm_config)
-        runner = SimpleNamespace(vllm_config=vllm_config, shared_kv_cache_layers={})
-        specs = GPUModelRunner.get_kv_cache_spec(runner)  # type: ignore[arg-type]
+        specs = _runner_kv_cache_spec(vllm_config)
     layers = _attention_layers(vllm_config)
     collected = [
         CollectedLayer(
@@ -231,6 +262,27 @@ def collect_kv_cache_specs(vllm_config: Any) -> tuple[list[CollectedLayer], int]
         for name, spec in specs.items()
     ]
     return collected, parameter_bytes(models)
+
+
+def _runner_kv_cache_spec(vllm_config: Any) -> dict[str, Any]:
+    """The specs a worker's model runner collects, through its own
+    ``get_kv_cache_spec`` (patched: the operator's overrides applied): Model
+    Runner V1's where the release has it (what 0.33.0 planned with), else
+    V2's. V2's marks a draft at DCP 1 replicated; ``_check_draft_dcp`` has
+    refused that draft, so its speculator stands in as absent."""
+    if has_model_runner_v1():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = SimpleNamespace(vllm_config=vllm_config, shared_kv_cache_layers={})
+        return GPUModelRunner.get_kv_cache_spec(runner)  # type: ignore[arg-type]
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    runner = SimpleNamespace(
+        vllm_config=vllm_config,
+        speculator=None,
+        dcp_size=vllm_config.parallel_config.decode_context_parallel_size,
+    )
+    return V2Runner.get_kv_cache_spec(runner)  # type: ignore[arg-type]
 
 
 def kv_cache_groups(vllm_config: Any, layers: list[CollectedLayer]) -> list[Any]:

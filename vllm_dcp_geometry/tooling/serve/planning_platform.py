@@ -23,6 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 H200_COMPUTE_UNITS = 132
+H200_DEVICE_NAME = "NVIDIA H200"
+"""What the planning platform calls its device: vLLM 0.34.0's bundled
+flash-linear-attention ops (Qwen3-Next's gated delta rule) ask the platform
+for it when imported, to detect Hopper."""
 SM90 = (9, 0)
 PLANNED_GPUS = 1 << 16
 """What the planning platform reports as the GPUs of this node: a plan is of
@@ -72,6 +76,10 @@ def make_planning_platform() -> Any:
         @classmethod
         def get_device_capability(cls, device_id: int = 0) -> Any:
             return DeviceCapability(*SM90)
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return H200_DEVICE_NAME
 
         @classmethod
         def device_count(cls) -> int:

@@ -33,6 +33,7 @@ from vllm_dcp_geometry.tooling.cli.common.status import (
     CliError,
 )
 from vllm_dcp_geometry.tooling.topology import DEFAULT_PROFILE, Topology, TopologyError
+from vllm_dcp_geometry.tooling.vllm_release import has_model_runner_v1
 
 VLLM_MODULES = (
     "vllm.config",
@@ -40,10 +41,20 @@ VLLM_MODULES = (
     "vllm.v1.core.kv_cache_manager",
     "vllm.v1.request",
     "vllm.sampling_params",
-    "vllm.v1.worker.block_table",
 )
 """The vLLM modules the commands use, imported up front with the import noise
 hidden (see ``noise``)."""
+
+MODEL_RUNNER_V1_MODULES = ("vllm.v1.worker.block_table",)
+"""Also imported up front where the release has Model Runner V1 (0.33.0; 0.34.0
+removed these modules)."""
+
+
+def vllm_modules() -> tuple[str, ...]:
+    """What ``prepare_vllm`` imports on the installed release."""
+    if has_model_runner_v1():
+        return VLLM_MODULES + MODEL_RUNNER_V1_MODULES
+    return VLLM_MODULES
 
 
 def prepare_vllm(args: argparse.Namespace, *, patched: bool) -> None:
@@ -57,7 +68,7 @@ def prepare_vllm(args: argparse.Namespace, *, patched: bool) -> None:
             import vllm_dcp_geometry
 
             vllm_dcp_geometry.register()
-        for name in VLLM_MODULES:
+        for name in vllm_modules():
             importlib.import_module(name)
 
 
@@ -172,7 +183,7 @@ def run_unpatched(
     topology: Topology,
     flags: Sequence[tuple[str, Any]],
 ) -> dict[str, Any]:
-    """``command`` on vLLM 0.33.0 as installed, in a fresh interpreter that
+    """``command`` on vLLM as installed, in a fresh interpreter that
     never registers the plugin, with ``topology`` and ``flags`` (``(flag,
     value)``; a None value is left out); its JSON report."""
     from vllm_dcp_geometry.tooling.fresh_process import (

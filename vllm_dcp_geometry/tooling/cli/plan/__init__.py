@@ -40,7 +40,7 @@ from vllm_dcp_geometry.tooling.cli.plan.optimize import (
 )
 from vllm_dcp_geometry.tooling.cli.plan.output import format_plan
 
-HELP = "per-group shard count, widths and block-table bytes vs vLLM 0.33.0"
+HELP = "per-group shard count, widths and block-table bytes vs unpatched vLLM"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -48,6 +48,7 @@ from typing import Any
 from vllm_dcp_geometry.contract import DcpGeometryError, scheduler_block_size
 from vllm_dcp_geometry.contract.overrides import CONFIG_KEY, REPLICATED, SHARDED
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology, TopologyError
+from vllm_dcp_geometry.tooling.vllm_release import vllm_release
 
 GIB = 1 << 30
 
@@ -635,7 +636,8 @@ def format_optimize(result: dict[str, Any], topology: Topology) -> str:
     budget = result["budget"]
     names = [c["name"] for c in result["choices"]]
     lines = [
-        f"--optimize {topology.name}: DCP={topology.decode_context_parallel_size}, "
+        f"--optimize {topology.name} on vLLM {vllm_release()}: "
+        f"DCP={topology.decode_context_parallel_size}, "
         f"max_model_len={topology.max_model_len:,}; per rank "
         f"{budget['kv_bytes_per_rank'] / GIB:,.1f} GiB for KV "
         f"({budget['gpu_memory_bytes'] / GIB:,.0f} GiB x "

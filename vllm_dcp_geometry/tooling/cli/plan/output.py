@@ -40,17 +40,24 @@ _HEADERS = [
     "table B/rank",
     "KV B/token/rank",
     "pages/req",
-    "vs 0.33.0: K",
+    "vs {release}: K",
     "width",
     "table B/rank",
 ]
 _LEFT_COLUMNS = {0, 1, 5}
 
 
+def _release(plan: dict[str, Any]) -> str:
+    """The vLLM release the plan was made on: the unpatched columns are that
+    release's own rules (recorded by ``runs.versions``)."""
+    return str(plan.get("vllm_version") or "(unknown)")
+
+
 def _plan_head(plan: dict[str, Any]) -> str:
     inputs = plan["inputs"]
     return (
-        f"topology {plan['topology']}: DCP={inputs['decode_context_parallel_size']} "
+        f"topology {plan['topology']} on vLLM {_release(plan)}: "
+        f"DCP={inputs['decode_context_parallel_size']} "
         f"TP={inputs['tensor_parallel_size']} "
         f"interleave={inputs['cp_kv_cache_interleave_size']} "
         f"max_model_len={inputs['max_model_len']:,} "
@@ -246,10 +253,11 @@ def _totals_lines(plan: dict[str, Any]) -> list[str]:
     ]
     misread = [g for g in plan["groups"] if misread_by_upstream(g)]
     changed += [g["name"] for g in misread if g["name"] not in changed]
+    release = _release(plan)
     lines = []
     if misread:
         lines.append(
-            "unpatched vLLM 0.33.0 would read these caches with another K than it "
+            f"unpatched vLLM {release} would read these caches with another K than it "
             "writes them with (wrong attention, no error): "
             + ", ".join(
                 f"{g['name']} (written K={g['upstream']['shard_count']}, read "
@@ -260,18 +268,18 @@ def _totals_lines(plan: dict[str, Any]) -> list[str]:
     return [
         *lines,
         f"scheduler block size (LCM of B*K): {totals['scheduler_block_size']:,} "
-        f"(0.33.0: {up_totals['scheduler_block_size']:,})",
+        f"({release}: {up_totals['scheduler_block_size']:,})",
         f"block tables per rank: {totals['block_table_bytes_per_rank']:,} bytes "
-        f"(0.33.0: {up_totals['block_table_bytes_per_rank']:,}; "
+        f"({release}: {up_totals['block_table_bytes_per_rank']:,}; "
         f"{_fmt_delta(totals['delta']['block_table_bytes_per_rank'])})",
         f"KV per request per rank: {totals['kv_bytes_per_request_per_rank']:,} "
-        f"bytes in {totals['pages_per_request']:,} pages (0.33.0: "
+        f"bytes in {totals['pages_per_request']:,} pages ({release}: "
         f"{up_totals['kv_bytes_per_request_per_rank']:,} bytes in "
         f"{up_totals['pages_per_request']:,} pages)",
         *_capacity_lines(plan),
-        "differs from 0.33.0 in: " + ", ".join(changed)
+        f"differs from {release} in: " + ", ".join(changed)
         if changed
-        else "identical to unpatched vLLM 0.33.0 for this input",
+        else f"identical to unpatched vLLM {release} for this input",
     ]
 
 
@@ -295,17 +303,19 @@ def _capacity_lines(plan: dict[str, Any]) -> list[str]:
 def format_plan(plan: dict[str, Any]) -> str:
     rows = [_group_row(g) for g in plan["groups"]]
     rows += [RULE, _totals_row(plan)]
-    right = set(range(len(_HEADERS))) - _LEFT_COLUMNS
+    release = _release(plan)
+    headers = [h.format(release=release) for h in _HEADERS]
+    right = set(range(len(headers))) - _LEFT_COLUMNS
     return "\n".join(
         [
             _plan_head(plan),
             "",
-            render_table(_HEADERS, rows, right=right),
+            render_table(headers, rows, right=right),
             "",
             "width: block-table columns (spec.max_num_blocks_per_req); aligned: after "
             "the runner's token alignment; table B/rank: max_num_seqs x aligned x 4 "
             "(int32). attention: how the group's attention runs (local, dcp, "
-            "dcp-partial, refused, none). vs 0.33.0: unpatched vLLM's K and width; "
+            f"dcp-partial, refused, none). vs {release}: unpatched vLLM's K and width; "
             "table B/rank as a difference (= means identical).",
             *_attention_lines(plan),
             *_cost_lines(plan),

@@ -64,14 +64,16 @@ def _check(args: argparse.Namespace) -> int:
                 "drift": drift,
             }
         )
-    lines = []
+    versions = runs.versions()
+    lines = [f"profiles --check on vLLM {versions['vllm_version']}"]
     for row in rows:
         verdict = "differs from" if row["drift"] else "equals"
         lines.append(
             f"{row['name']} {verdict} vLLM's build of model_configs/{row['model']}"
         )
         lines += [f"    {line}" for line in row["drift"]]
-    runs.emit({"command": "profiles", "checks": rows}, args.json, "\n".join(lines))
+    document = {"command": "profiles", "checks": rows, **versions}
+    runs.emit(document, args.json, "\n".join(lines))
     return EXIT_VIOLATION if any(row["drift"] for row in rows) else EXIT_OK
 
 
@@ -97,9 +99,12 @@ def command(args: argparse.Namespace) -> int:
                 "model": models[name].model if name in models else None,
             }
         )
+    versions = runs.versions()
     if args.json:
-        print(json.dumps({"profiles": rows}))
+        print(json.dumps({"profiles": rows, **versions}))
         return EXIT_OK
+    # Listing imports no vLLM; the installed release is what --check would build.
+    print(f"built-in topologies (vLLM {versions['vllm_version']} installed)")
     for row in rows:
         mark = " (default)" if row["default"] else ""
         print(f"{row['name']}{mark}")

@@ -46,6 +46,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.group import (
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import record_context_lse_in
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import LAYER, run_backend
 from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced
+from vllm_dcp_geometry.tooling.vllm_release import process_weights_after_loading
 
 KIMI_MLA = "vllm.models.kimi_k3.nvidia.mla"
 CPU_SDPA = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
@@ -126,7 +127,7 @@ def build_kimi_layer(
         )
     rows = shape.heads_per_rank * (shape.nope_dim + shape.v_head_dim)
     layer.kv_b_proj.weight.data.copy_(weight[rank * rows : (rank + 1) * rows])
-    layer.process_weights_after_loading(dtype)
+    process_weights_after_loading(layer, dtype)
     return layer, backend
 
 

@@ -89,6 +89,7 @@ from vllm_dcp_geometry.tooling.sparse_rank_run import (
     tied_scores,
     write_dsv32_config,
 )
+from vllm_dcp_geometry.tooling.vllm_release import process_weights_after_loading
 
 DSV32 = "vllm.models.deepseek_v32.attention"
 MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
@@ -265,7 +266,7 @@ def build_layer(
         )
     rows = shape.heads_per_rank * (shape.nope_dim + shape.v_head_dim)
     layer.kv_b_proj.weight.data.copy_(weight[rank * rows : (rank + 1) * rows])
-    layer.process_weights_after_loading(dtype)
+    process_weights_after_loading(layer, dtype)
     if device == "cpu":
         # A one-layer index group converts nothing (``forward_mqa`` converts
         # per layer), and the CUDA event it records for its indexer raises

@@ -15,7 +15,8 @@ the real kernels on sampled steps where they run (``kernels``). The report
 and its text are in ``report``; what a run takes, and the hooks a caller may
 give it, in ``options``.
 
-``--baseline`` runs the same simulation on vLLM 0.33.0 as installed, in a
+``--runner v1`` (Model Runner V1) needs vLLM 0.33.0; 0.34.0 removed V1, and
+runs V2 by default. ``--baseline`` runs the same simulation on vLLM as installed, in a
 fresh interpreter that never registers the plugin, and reports the first step
 and position where it breaks.
 """
@@ -51,6 +52,10 @@ from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
 )
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
 from vllm_dcp_geometry.tooling.topology.limits import NON_NEGATIVE_INT32, POSITIVE_INT32
+from vllm_dcp_geometry.tooling.vllm_release import (
+    default_runner,
+    require_model_runner_v1,
+)
 
 HELP = (
     "vLLM's scheduler feeding every DCP rank's block tables, checked each step, "
@@ -78,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runner",
         choices=RUNNERS,
-        default="v1",
-        help="the model runner the workers run (default v1)",
+        default=default_runner(),
+        help=f"the model runner the workers run (default {default_runner()}; "
+        "v1 needs vLLM 0.33.0: 0.34.0 removed Model Runner V1)",
     )
     parser.add_argument(
         "--workload",
@@ -145,7 +151,7 @@ def check_capacity(topology: Topology, args: argparse.Namespace, tokens: int) ->
 def run_unpatched_baseline(
     topology: Topology, args: argparse.Namespace, tokens: int
 ) -> dict[str, Any]:
-    """The same simulation on vLLM 0.33.0 as installed, in a fresh
+    """The same simulation on vLLM as installed, in a fresh
     interpreter that never registers the plugin."""
     return runs.run_unpatched(
         "simulate",
@@ -164,6 +170,8 @@ def run_unpatched_baseline(
 
 def command(args: argparse.Namespace) -> int:
     """``vllm-dcp-geometry simulate``."""
+    if args.runner == "v1":
+        require_model_runner_v1("--runner v1")
     topology = load_topology(args)
     tokens = check_inputs(topology, args)
     unpatched = runs.start_vllm(args)

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """The engine side of ``simulate``: vLLM's real ``Scheduler`` with no model.
 
-``build_engine`` gives vLLM 0.33.0's own ``Scheduler`` a ``VllmConfig`` built
+``build_engine`` gives the installed vLLM's own ``Scheduler`` a ``VllmConfig`` built
 from vLLM's config classes (the ``ModelConfig`` reads a tiny generated HF
 config: no weights, no tokenizer, no GPU) and the topology's scheduler-side
 ``KVCacheConfig``, exactly as ``EngineCore.__init__`` does: block sizes from
@@ -40,6 +40,10 @@ from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
     Workload,
 )
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
+from vllm_dcp_geometry.tooling.vllm_release import (
+    has_model_runner_v1,
+    require_model_runner_v1,
+)
 
 # Engine ----------------------------------------------------------------------------
 
@@ -48,9 +52,15 @@ from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
 def model_runner_choice(runner: str) -> Iterator[None]:
     """Tell vLLM's config which model runner the workers run, through vLLM's own
     ``VLLM_USE_V2_MODEL_RUNNER`` switch (the scheduler reads it: Model Runner V2
-    gets resumed requests as new ones); restored afterwards."""
+    gets resumed requests as new ones); restored afterwards. A release without
+    Model Runner V1 has no switch (V2 is all it runs; ``0`` raises there)."""
     if runner not in RUNNERS:
         raise TopologyError(f"unknown runner {runner!r}; one of {list(RUNNERS)}")
+    if runner == "v1":
+        require_model_runner_v1("--runner v1")
+    if not has_model_runner_v1():
+        yield
+        return
     name = "VLLM_USE_V2_MODEL_RUNNER"
     saved = os.environ.get(name)
     os.environ[name] = "1" if runner == "v2" else "0"
@@ -275,6 +285,18 @@ def make_request(plan: RequestPlan, engine: Engine) -> Any:
 # The stand-in model ---------------------------------------------------------------
 
 
+def _index_field(req_ids: list[str]) -> dict[str, Any]:
+    """``req_id_to_index``, where the release's ``ModelRunnerOutput`` has that
+    field (0.33.0; 0.34.0 dropped it: its scheduler goes by ``req_ids``)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" not in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        return {}
+    return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+
+
 @dataclass
 class StandInModel:
     """Sampled tokens and draft proposals in place of a model, seeded."""
@@ -320,9 +342,7 @@ class StandInModel:
             self.accepted_tokens += accepted
             sampled.append(proposed[:accepted] + self._tokens(1))
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+            req_ids=req_ids, sampled_token_ids=sampled, **_index_field(req_ids)
         )
 
     def propose(self, model_output: Any, scheduler: Any) -> Any:

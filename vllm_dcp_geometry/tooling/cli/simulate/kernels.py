@@ -30,6 +30,7 @@ from vllm_dcp_geometry.contract import (
     reference_slot_mapping,
     virtual_block_size,
 )
+from vllm_dcp_geometry.tooling.vllm_release import has_model_runner_v1
 
 if TYPE_CHECKING:
     import numpy as np
@@ -106,26 +107,20 @@ def crosses_virtual_block(
 def probe_real_kernels(device: Any) -> tuple[bool, str]:
     """Whether vLLM's Triton slot-mapping kernels run here, and why not.
 
-    Launches Model Runner V1's real kernel on a one-request table; any failure
-    to launch means "not here" (without a GPU, Triton has no backend unless
-    the interpreter is on). Whether it agrees with the twin is what the
-    sampled cross-checks then establish, step by step.
+    Launches a real slot-mapping kernel on a one-request table (Model Runner
+    V1's where the release has it, else V2's); any failure to launch means
+    "not here" (without a GPU, Triton has no backend unless the interpreter
+    is on). Whether it agrees with the twin is what the sampled cross-checks
+    then establish, step by step.
     """
     import torch
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:
         return False, "vLLM found no usable Triton on this machine (no GPU)"
-    from vllm.v1.worker.block_table import BlockTable
-
+    launch = _launch_v1_kernel if has_model_runner_v1() else _launch_v2_kernel
     try:
-        table = BlockTable(16, 1, 4, 64, False, torch.device(device), 1)
-        table.add_row([3, 5, 7], 0)
-        table.commit_block_table(1)
-        positions = torch.arange(40, dtype=torch.int64, device=device)
-        start = torch.tensor([0, 40], dtype=torch.int32, device=device)
-        table.compute_slot_mapping(1, start, positions)
-        table.slot_mapping.gpu[:40].cpu()
+        launch(torch.device(device))
     except Exception as exc:  # any launch failure means "not on this machine"
         detail = str(exc).strip().splitlines()
         reason = f": {detail[0]}" if detail else ""
@@ -133,3 +128,38 @@ def probe_real_kernels(device: Any) -> tuple[bool, str]:
             f"vLLM's Triton kernels cannot run here ({type(exc).__name__}{reason})"
         )
     return True, f"vLLM's Triton kernels run here ({torch.device(device).type})"
+
+
+def _launch_v1_kernel(device: Any) -> None:
+    """Model Runner V1's slot-mapping kernel on 40 tokens of one request."""
+    import torch
+    from vllm.v1.worker.block_table import BlockTable
+
+    table = BlockTable(16, 1, 4, 64, False, device, 1)
+    table.add_row([3, 5, 7], 0)
+    table.commit_block_table(1)
+    positions = torch.arange(40, dtype=torch.int64, device=device)
+    start = torch.tensor([0, 40], dtype=torch.int32, device=device)
+    table.compute_slot_mapping(1, start, positions)
+    table.slot_mapping.gpu[:40].cpu()
+
+
+def _launch_v2_kernel(device: Any) -> None:
+    """Model Runner V2's staged writes and slot-mapping kernel on 40 tokens of
+    one request (the only runner of a release without V1)."""
+    import torch
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    tables = BlockTables(
+        block_sizes=[16],
+        max_num_reqs=1,
+        max_num_batched_tokens=64,
+        max_num_blocks_per_group=[4],
+        device=device,
+    )
+    tables.append_block_ids(0, ([3, 5, 7],), True)
+    tables.apply_staged_writes()
+    index = torch.zeros(1, dtype=torch.int32, device=device)
+    positions = torch.arange(40, dtype=torch.int64, device=device)
+    start = torch.tensor([0, 40], dtype=torch.int32, device=device)
+    tables.compute_slot_mappings(index, start, positions, 40).cpu()

@@ -13,8 +13,10 @@ broken geometry. Nothing a hook does is part of the command's behaviour.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from vllm_dcp_geometry.tooling.vllm_release import default_runner
 
 if TYPE_CHECKING:
     from vllm_dcp_geometry.tooling.cli.simulate.checks import Checker
@@ -50,10 +52,10 @@ class SimulationHooks:
 
 @dataclass(frozen=True)
 class SimulationOptions:
-    """What one simulation runs: the model runner, the workload and its sizes
-    (None: the workload's default)."""
+    """What one simulation runs: the model runner (the installed release's
+    default), the workload and its sizes (None: the workload's default)."""
 
-    runner: str = "v1"
+    runner: str = field(default_factory=default_runner)
     workload: str = "replay"
     tokens: int | None = None
     step_tokens: int | None = None

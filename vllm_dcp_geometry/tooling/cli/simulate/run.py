@@ -146,10 +146,13 @@ def _record_scheduler_output(tally: Tally, output: Any) -> None:
     tally.prefix_hit_tokens += sum(
         r.num_computed_tokens for r in output.scheduled_new_reqs
     )
+    # Only Model Runner V1 gets resumed requests as cached ones; a release
+    # without V1 (0.34.0) has no such field and sends them as new requests.
+    resumed = getattr(cached, "resumed_req_ids", None) or set()
     tally.prefix_hit_tokens += sum(
         n
         for r, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
-        if r in cached.resumed_req_ids
+        if r in resumed
     )
     tally.scheduled_draft_tokens += sum(
         len(t) for t in output.scheduled_spec_decode_tokens.values()
