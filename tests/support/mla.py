@@ -488,31 +488,19 @@ def process_weights(layer: Any, dtype: torch.dtype) -> None:
 
 
 def make_layer(vllm_config: Any, batch: Batch, rank: int, backend: Any) -> Any:
-    import inspect
-
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
+    # The library's builder post-processes the weights as the installed
+    # release takes them (tooling.vllm_release.process_weights_after_loading).
     shape = batch.shape
-    process = MLAAttention.process_weights_after_loading
-    takes_dtype = len(inspect.signature(process).parameters) > 1
-
-    def process_weights_after_loading(self: Any, *dtype: Any) -> None:
-        # The library's builder passes the dtype, which 0.34.0 no longer takes.
-        process(self, *dtype) if takes_dtype else process(self)
-
-    with replaced(
-        MLAAttention, "process_weights_after_loading", process_weights_after_loading
-    ):
-        return build_mla_layer(
-            vllm_config,
-            shape,
-            kv_b_weight=batch.kv_b_weight,
-            rank=rank,
-            backend=backend,
-            dtype=shape.dtype,
-            device=shape.device,
-            layer_name=LAYER,
-        )
+    return build_mla_layer(
+        vllm_config,
+        shape,
+        kv_b_weight=batch.kv_b_weight,
+        rank=rank,
+        backend=backend,
+        dtype=shape.dtype,
+        device=shape.device,
+        layer_name=LAYER,
+    )
 
 
 @contextmanager
