@@ -153,6 +153,15 @@ import json, os, sys
 sys.path.insert(0, {tmp!r})
 os.environ["VLLM_DCP_GEOMETRY_ALLOW_VLLM_VERSION"] = "0.99.0"
 import vllm_dcp_geometry.plugin as plugin
+from vllm_dcp_geometry.patches import declarations
+from vllm_dcp_geometry.runtime.releases import active_release
+# The unknown release is the installed one's code under another number: the
+# patches the installed release declares are the ones that must match (one
+# declared for another release only refuses code it was not written for).
+real = active_release()
+plugin.PATCH_MODULES = tuple(
+    n for n, p in declarations(plugin.PATCH_MODULES).items() if p.declared_for(real)
+)
 plugin.installed_vllm_version = lambda: "0.99.0"
 from vllm_dcp_geometry.runtime import releases
 releases.installed_vllm_version = lambda: "0.99.0"
