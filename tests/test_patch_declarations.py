@@ -351,21 +351,53 @@ def removal_groups() -> list[tuple[str, ...]]:
     return groups
 
 
-WITHOUT_A_GROUP = """
+WITHOUT_EACH_GROUP = """
 import importlib, json, sys
 import vllm_dcp_geometry.patches as patches
 import vllm_dcp_geometry.plugin as plugin
-
+from vllm_dcp_geometry.runtime import patching
 from vllm_dcp_geometry.runtime.releases import active_release
 
-removed = set(json.loads(sys.argv[1]))
-plugin.PATCH_MODULES = tuple(m for m in patches.PATCH_MODULES if m not in removed)
-plugin.register()
-for name in plugin.PATCH_MODULES:
+
+class RolledBack(Exception):
+    pass
+
+
+declared = {}
+for name in patches.PATCH_MODULES:
     patch = importlib.import_module(name).PATCH
-    if patch.declared_for(active_release()):
-        importlib.import_module(patch.upstream_module)
-print(json.dumps(sorted(plugin.applied_patches())))
+    if patch.declared_for(active_release(name)):
+        declared[name] = patch
+# vLLM's patched modules imported once, before any patch (register after a
+# preload); each group's run applies the rest, then every change is undone.
+upstream = {n: importlib.import_module(p.upstream_module) for n, p in declared.items()}
+
+
+def wrappers_left():
+    left = []
+    for module in upstream.values():
+        owners = [module] + [v for v in vars(module).values() if isinstance(v, type)]
+        for owner in owners:
+            for key, value in list(vars(owner).items()):
+                if hasattr(patching.callable_of(value), patching.ORIGINAL_ATTR):
+                    left.append(f"{module.__name__}:{getattr(owner, '__name__', '')}.{key}")
+    return left
+
+
+results = []
+for group in json.loads(sys.argv[1]):
+    assert not patching.applied_patches(), "a previous group left patches behind"
+    assert not wrappers_left(), wrappers_left()
+    try:
+        with patching.undo_on_error():
+            for name, patch in declared.items():
+                if name not in group:
+                    plugin._apply_patch(name, patch, upstream[name])
+            results.append(sorted(patching.applied_patches()))
+            raise RolledBack
+    except RolledBack:
+        pass
+print(json.dumps(results))
 """
 
 
@@ -374,9 +406,10 @@ def test_the_rest_applies_without_each_removal_group() -> None:
     """A maintainer deletes one group (a patch with its declared partners):
     every other patch still verifies and applies. What then fails closed
     without a partner is checked above (admission, the runners' checks,
-    the Kimi-K3 binder)."""
+    the Kimi-K3 binder). One fresh unpatched process imports vLLM's patched
+    modules once and, group by group, applies the rest and undoes it all
+    (the journal's all-or-nothing), checking each run starts clean."""
     import json
-    from concurrent.futures import ThreadPoolExecutor
 
     from tests.support.processes import CPU_PRELUDE, REPO_ROOT, run_fresh_python
 
@@ -404,23 +437,18 @@ def test_the_rest_applies_without_each_removal_group() -> None:
     assert mla in groups
     # The two runner pairs and the MLA ten; the rest alone.
     assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 9
-
-    def applied_without(group: tuple[str, ...]) -> list[str]:
-        return run_fresh_python(
-            ["-c", CPU_PRELUDE + WITHOUT_A_GROUP, json.dumps(group)],
-            patched=False,
-            env={"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_PLUGINS": ""},
-            cwd=REPO_ROOT,
-            timeout=300,
-        )
-
-    # Two fresh processes at a time: each is one core importing vLLM.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(applied_without, groups))
+    results = run_fresh_python(
+        ["-c", CPU_PRELUDE + WITHOUT_EACH_GROUP, json.dumps(groups)],
+        patched=False,
+        env={"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_PLUGINS": ""},
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     here = {p.upstream_module for p in _patches()}
     declared_here = {
         name for name, p in declarations().items() if p.upstream_module in here
     }
+    assert len(results) == len(groups)
     for group, result in zip(groups, results, strict=True):
         assert result == sorted(declared_here - set(group)), group
 

@@ -9,9 +9,10 @@
 Makes (or reuses) ``.venv-<release>`` beside ``.venv`` with this checkout and
 that vLLM release installed by uv, then runs pytest there. By default it runs
 every test that exercises a patch and every test written for particular
-releases (``-m "patches or vllm_releases"``); arguments after ``--`` replace
-that. ``tools/release_overrides/vllm-<release>.txt``, where present,
-holds the requirement overrides the package index these machines reach needs
+releases (``-m "patches or vllm_releases"``), on a worker per core as the
+README's test command does; arguments after ``--`` replace that.
+``tools/release_overrides/vllm-<release>.txt``, where present, holds the
+requirement overrides the package index these machines reach needs
 (vLLM 0.34.0's ``flashinfer-python==0.7.3`` is not there; 0.7.4 is): they
 apply to this test environment only, never to what a user installs.
 """
@@ -27,6 +28,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = ROOT / "tools" / "release_overrides"
+RELEASE_TESTS = "patches or vllm_releases"
+"""Every test that exercises a patch, and every test written for particular
+releases."""
+PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
+"""As the README's test command runs the suite: a worker per core, up to 4,
+each test file on one worker (its module fixtures built once)."""
 
 
 def uv() -> str:
@@ -61,7 +68,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments")
     args = parser.parse_args(argv)
     python = environment(args.release)
-    pytest_args = args.pytest_args or ["-q", "-m", "patches or vllm_releases"]
+    pytest_args = args.pytest_args or [*PARALLEL, "-q", "-m", RELEASE_TESTS]
     print(f"+ vLLM {args.release}: pytest {' '.join(pytest_args)}", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     return subprocess.run(
