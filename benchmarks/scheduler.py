@@ -236,14 +236,14 @@ def _time_register(patched: bool) -> dict[str, Any]:
     # Our own instrumentation (not vLLM's): time each patch module as it
     # applies, which happens when its vLLM module is imported later on.
     applied_ns: dict[str, int] = {}
-    apply = plugin._apply_patch_module
+    apply = plugin._apply_patch
 
-    def timed_apply(patch: Any, upstream: Any) -> None:
+    def timed_apply(name: str, patch: Any, upstream: Any) -> None:
         begin = time.perf_counter_ns()
-        apply(patch, upstream)
-        applied_ns[patch.__name__] = time.perf_counter_ns() - begin
+        apply(name, patch, upstream)
+        applied_ns[name] = time.perf_counter_ns() - begin
 
-    plugin._apply_patch_module = timed_apply  # type: ignore[assignment]
+    plugin._apply_patch = timed_apply  # type: ignore[assignment]
     start = time.perf_counter()
     plugin.register()
     call_ms = (time.perf_counter() - start) * 1e3

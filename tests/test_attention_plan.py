@@ -178,9 +178,12 @@ def test_unknown_backend_is_bad_input(capsys) -> None:
 
 
 def test_plan_names_the_caches_unpatched_vllm_would_misread(capsys) -> None:
-    """vLLM 0.33.0's MLA reads every cache with K = D: a replicated MLA draft
-    is written with K = 1 and read with K = 16 there. FlashAttention follows
-    dcp_sharded, so a replicated dense draft is read as written."""
+    """vLLM's MLA (0.33.0 and 0.34.0) reads every cache with K = D: a
+    replicated MLA draft is written with K = 1 and read with K = 16 there.
+    FlashAttention follows dcp_sharded, so a replicated dense draft is read
+    as written."""
+    from vllm_dcp_geometry.tooling.vllm_release import vllm_release
+
     plan, _ = _plan(capsys)
     read = {g["name"]: g["upstream"]["attention_shard_count"] for g in plan["groups"]}
     assert read["draft"] == 16 and plan["groups"][-1]["upstream"]["shard_count"] == 1
@@ -189,7 +192,7 @@ def test_plan_names_the_caches_unpatched_vllm_would_misread(capsys) -> None:
     assert main(["plan"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "(wrong attention, no error): draft (written K=1, read K=16)" in text
-    assert text.rstrip().endswith("differs from 0.33.0 in: draft")
+    assert text.rstrip().endswith(f"differs from {vllm_release()} in: draft")
     dense, _ = _plan(capsys, "-p", "dense-gqa-tp8-dcp8")
     assert all(
         g["upstream"]["attention_shard_count"] == g["upstream"]["shard_count"]

@@ -38,3 +38,31 @@ def test_replay_is_timed_frozen_and_unfrozen(monkeypatch) -> None:
     assert result["unfrozen_us_per_allocation"] == pytest.approx(
         min(result["unfrozen_runs_us_per_allocation"])
     )
+
+
+def test_the_startup_timing_times_every_patch_as_it_applies() -> None:
+    """``_time_register`` times each patch through the plugin's own apply
+    step: every patch applied after ``register()`` (and the imports that
+    trigger the rest) was timed, so a renamed step fails here, not only in
+    ``python -m benchmarks``. A fresh unpatched process (about 20 s)."""
+    from tests.support.processes import run_python
+
+    out = run_python(
+        """
+        import importlib, json
+        from benchmarks import scheduler
+        timing = scheduler._time_register(True)
+        from vllm_dcp_geometry import plugin
+        from vllm_dcp_geometry.patches import declarations
+        from vllm_dcp_geometry.runtime.releases import active_release
+        for patch in declarations().values():
+            if patch.declared_for(active_release()):
+                importlib.import_module(patch.upstream_module)
+        print(json.dumps({
+            "timed": sorted(timing["_applied_ns"]),
+            "applied": sorted(plugin.applied_patches()),
+        }))
+        """,
+        patched=False,
+    )
+    assert out["applied"] and out["timed"] == out["applied"]

@@ -282,18 +282,29 @@ def test_unpatched_vllm_is_right_at_d_and_wrong_below(
     below it the layer hands its indexer (r, D), so the merge maps each
     rank's local positions as a D-th of the cache (ids of positions its
     shard does not hold), the indexer builder's local lengths are D-shard
-    ones, the attention reads the wrong tokens, and the run exits 1."""
+    ones, the attention reads the wrong tokens, and the run exits 1. On
+    0.34.0 the merge keys only the id bits of the cache's positions: those
+    ids lie past them, which the selector's stand-in refuses (a crash the
+    report names, where the CUDA kernel would alias them)."""
     assert three_layers["code"] == EXIT_VIOLATION
     baseline = _rows(three_layers["report"]["baseline"])
     for role in ("latent", "indexer"):
         assert baseline[f"{role}.k4"]["ok"] is True
         for name in ("k2", "k1"):
             row = baseline[f"{role}.{name}"]
-            assert row["ok"] is False and row["selection_ok"] is False, row
+            assert row["ok"] is False, row
+            if row.get("crashed"):
+                assert all(
+                    "past id_bits" in c and "in _merge_dcp_topk_global)" in c
+                    for c in row["crashed"]
+                ), row
+                continue
+            assert row["selection_ok"] is False, row
             assert row["attention_world_size"] == D
-    for name in ("k2", "k1"):
-        assert baseline[f"indexer.{name}"]["local_lengths_ok"] is False
-        assert baseline[f"latent.{name}"]["max_abs_error"] > 0.1
+            if role == "indexer":
+                assert row["local_lengths_ok"] is False
+            else:
+                assert row["max_abs_error"] > 0.1
     assert baseline["indexer.k4"]["local_lengths_ok"] is True
 
 
@@ -542,16 +553,16 @@ def test_the_indexer_stand_in_runs_beneath_the_plugins_wrapper() -> None:
 def test_the_sparse_runner_pins_what_it_drives_and_stands_in_for() -> None:
     from vllm_dcp_geometry.runtime.patching import verify_symbol
     from vllm_dcp_geometry.tooling.cli.ranks.sparse_mla import RELIED_ON
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+    from vllm_dcp_geometry.tooling.sparse_rank_run import indexer_op_symbol
+    from vllm_dcp_geometry.tooling.sparse_stand_ins import (
         FLASHMLA_SCHEDULER,
-        SPARSE_STAND_IN_SYMBOLS,
+        sparse_stand_in_symbols,
     )
-    from vllm_dcp_geometry.tooling.sparse_rank_run import INDEXER_OP
 
     for symbol in (
         *RELIED_ON,
-        *SPARSE_STAND_IN_SYMBOLS,
+        *sparse_stand_in_symbols(),
         FLASHMLA_SCHEDULER,
-        INDEXER_OP,
+        indexer_op_symbol(),
     ):
         verify_symbol(symbol)

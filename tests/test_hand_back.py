@@ -187,7 +187,9 @@ def test_the_double_catches_a_wrapper_that_reads_extra() -> None:
         config.parallel_config = SimpleNamespace(decode_context_parallel_size=1)
         return {"kv_cache_config": kv_config(full()), "vllm_config": config}
 
-    assert trace(original_of(leaky), bare).outcome == ("returned", "(16, 16)")
+    # (What upstream returns differs by release: 0.34.0 resolves the spec's
+    # own block size.)
+    assert trace(original_of(leaky), bare).outcome[0] == "returned"
     assert trace(leaky, bare).outcome[0] == "AttributeError"
 
 

@@ -24,9 +24,15 @@ STATE = """
 import importlib, json, random, sys, types
 from vllm_dcp_geometry.patches import declarations
 from vllm_dcp_geometry.runtime.patching import ORIGINAL_ATTR, original_of
+from vllm_dcp_geometry.runtime.releases import active_release
 import vllm_dcp_geometry.plugin as plugin
 
-UPSTREAM = [patch.upstream_module for patch in declarations().values()]
+# The modules patched on the installed release (0.34.0 has no Model Runner V1).
+UPSTREAM = [
+    patch.upstream_module
+    for patch in declarations().values()
+    if patch.declared_for(active_release())
+]
 
 def import_all(names):
     for name in names:

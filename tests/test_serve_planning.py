@@ -143,6 +143,45 @@ def test_emitted_topology_from_a_model_round_trips(
 
 
 @pytest.mark.slow
+@pytest.mark.vllm_releases("0.34.0")
+def test_a_draft_built_at_dcp_1_plans_replicated_and_refuses_sharding_it(
+    run_cli_json,
+) -> None:
+    """vLLM 0.34.0's ``draft_decode_context_parallel_size = 1``: DeepSeek-V3.2's
+    MTP draft is built at DCP 1 (its impl's world 1) and its cache marked
+    replicated, as the worker's speculator does; ``plan`` admits it at K = 1
+    beside the target's K = 4, and refuses an override that shards it at
+    K = 4 (the impl reads world 1), as start-up does."""
+    spec = json.dumps(
+        {
+            "method": "mtp",
+            "num_speculative_tokens": 1,
+            "draft_decode_context_parallel_size": 1,
+        }
+    )
+    serve = [
+        "--model", str(MODELS / "deepseek-v32"),
+        "--tensor-parallel-size", "8", "--decode-context-parallel-size", "8",
+        "--kv-cache-dtype", "fp8_ds_mla", "--speculative-config", spec,
+    ]  # fmt: skip
+    target_k4 = '{"dcp_geometry": {"layers": {"model.layers.[0-3].*": 4}}}'
+    code, plan = run_cli_json(
+        "plan", "--json", *serve, "--additional-config", target_k4
+    )
+    assert code == 0, plan
+    draft_k = {g["shard_count"] for g in plan["groups"] if g["draft"]}
+    assert draft_k == {1}
+    assert {g["shard_count"] for g in plan["groups"] if not g["draft"]} == {4}
+    every_k4 = '{"dcp_geometry": {"layers": {"model.layers.*": 4}}}'
+    code, refused = run_cli_json(
+        "plan", "--json", *serve, "--additional-config", every_k4
+    )
+    assert code == 2, refused
+    assert "model.layers.4." in str(refused), refused
+    assert "built for a DCP world of 1" in str(refused), refused
+
+
+@pytest.mark.slow
 def test_kimi_k3_with_its_dspark_draft_on_their_own_backends(run_cli_json) -> None:
     """Kimi-K3 and its DSpark draft from vLLM's CUDA model code: the target
     on ``--attention-backend FLASHMLA``, the draft on the backend vLLM's
@@ -176,7 +215,6 @@ def test_kimi_k3_with_its_dspark_draft_on_their_own_backends(run_cli_json) -> No
     assert {g["source"] for g in groups} == {"model"}
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 @pytest.mark.patches("worker.gpt_oss_attention", "worker.flash_attn")
 def test_gpt_oss_runs_under_dcp_with_its_sliding_layers_replicated(

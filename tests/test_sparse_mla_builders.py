@@ -403,7 +403,9 @@ def test_sparse_dense_mha_context_is_planned_over_the_group(
                 assert len(wrong.chunks[0].local_context_lens_allranks[0]) == D
 
 
-def _plan_refusal(k: int, collectives: str, heads_per_rank: int) -> str | None:
+def _plan_refusal(
+    k: int, collectives: str, heads_per_rank: int, cache_dtype: str = "fp8_ds_mla"
+) -> str | None:
     """``plan``'s restatement of the FlashMLA sparse builder's DCP refusal for
     a latent group of ``heads_per_rank`` heads, K shards at D = 4."""
     from vllm_dcp_geometry.contract.layer_classes import DEEPSEEK_V32_ATTENTION
@@ -421,6 +423,7 @@ def _plan_refusal(k: int, collectives: str, heads_per_rank: int) -> str | None:
         "kv_lora_rank": 512,
         "query_heads": D * heads_per_rank,
         "dtype": "bfloat16",
+        "cache_dtype_str": cache_dtype,
     }
     if k != D:
         group["dcp_kv_shard_count"] = k
@@ -529,3 +532,7 @@ def test_a_bf16_sparse_latent_builds_at_every_k_on_034(
         )
     assert not builder.use_fp8_kv_cache and not builder.fp8_use_mixed_batch
     assert builder.dcp_world_size == world and builder.num_heads == 32
+    # plan says the same; with an fp8_ds_mla cache it refuses, as the builder.
+    assert _plan_refusal(k, collectives, 32, cache_dtype="auto") is None
+    if world > 1:
+        assert "mixed-batch fp8 path" in str(_plan_refusal(k, collectives, 32))

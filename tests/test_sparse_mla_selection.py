@@ -47,7 +47,7 @@ from vllm_dcp_geometry.runtime.group_context import (
     use_indexer_geometry,
 )
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
-from vllm_dcp_geometry.tooling.cpu_stand_ins import stable_topk_stand_in
+from vllm_dcp_geometry.tooling.sparse_stand_ins import stable_topk_stand_in
 
 pytestmark = pytest.mark.patches(
     "worker.sparse_attn_indexer", "worker.deepseek_v32_attention"
@@ -103,6 +103,31 @@ def test_selector_stand_in_is_the_float64_topk() -> None:
     # float comparison calls a tie; the tests' scores carry no -0.0.
     signed_zeros = torch.tensor([[[-0.0, 1.0], [0.0, 5.0]]])
     assert stable_topk_stand_in(signed_zeros, 1).tolist() == [[5]]
+
+
+def test_selector_stand_in_reads_either_releases_contract() -> None:
+    """vLLM 0.34.0's layout and key: rank-major ``[W, rows, top-k, 2]``
+    candidates select as 0.33.0's ``[rows, W * top-k, 2]``; 16 score bits
+    tie scores that differ only in the low half (then the smaller id wins),
+    which 32 bits tell apart; an id past ``id_bits`` is refused."""
+    gen = torch.Generator().manual_seed(11)
+    world, rows, topk = 4, 3, 8
+    by_rank = torch.zeros(world, rows, topk, 2)
+    by_rank[..., 0] = torch.randn(world, rows, topk, generator=gen)
+    by_rank[..., 1] = (
+        torch.randperm(world * rows * topk, generator=gen)
+        .view(world, rows, topk)
+        .float()
+    )
+    by_row = by_rank.permute(1, 0, 2, 3).reshape(rows, world * topk, 2)
+    assert torch.equal(stable_topk_stand_in(by_rank, topk), _float64_rule(by_row, topk))
+    close = torch.tensor([1.0, 1.0 + 2**-20])  # equal in their high 16 bits
+    pair = torch.stack([close, torch.tensor([4.0, 9.0])], dim=-1).view(1, 2, 2)
+    assert stable_topk_stand_in(pair, 1).tolist() == [[9]]
+    assert stable_topk_stand_in(pair, 1, score_bits=16).tolist() == [[4]]
+    assert stable_topk_stand_in(pair, 1, id_bits=4).tolist() == [[9]]
+    with pytest.raises(ValueError, match="id_bits=3"):
+        stable_topk_stand_in(pair, 1, id_bits=3)
 
 
 # The merged selection ---------------------------------------------------------------

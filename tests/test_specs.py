@@ -76,8 +76,10 @@ def test_mamba_state_is_one_shard_and_1310_columns() -> None:
     ],
 )
 def test_partial_shards_at_dcp16(count: int, width: int, aligned: int) -> None:
-    from vllm.v1.worker.block_table import get_block_table_width
+    from vllm_dcp_geometry.runtime.geometry import upstream_get_block_table_width
 
+    # vLLM's own, from its home on the installed release.
+    get_block_table_width = upstream_get_block_table_width()
     spec = full(dcp_kv_shard_count=count)
     cfg = make_vllm_config(16)
     assert spec.dcp_shard_count(16) == count  # type: ignore[attr-defined]

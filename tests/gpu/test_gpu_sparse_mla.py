@@ -82,7 +82,10 @@ def test_cutedsl_selector_keeps_the_stand_in_contract() -> None:
     )
 
     from tests.support.sparse_mla import selection_sets
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import stable_topk_stand_in
+    from vllm_dcp_geometry.tooling.sparse_stand_ins import (
+        selector_reads_rank_major,
+        stable_topk_stand_in,
+    )
 
     _require_cutedsl()
     gen = torch.Generator().manual_seed(3)
@@ -98,8 +101,14 @@ def test_cutedsl_selector_keeps_the_stand_in_contract() -> None:
     candidates[1, :, 0] = 0.5
     candidates[2, TOPK // 2 :, 1] = -1  # fewer real candidates than top-k
     gathered = candidates.cuda()
-    got = stable_topk_from_gathered_candidates_cutedsl(gathered, TOPK)
-    want = stable_topk_stand_in(gathered, TOPK)
+    bits: dict[str, int] = {}
+    if selector_reads_rank_major():
+        # 0.34.0: rank-major [W, rows, top-k, 2], ids within id_bits, and the
+        # bfloat16 logits' 16 score bits (the scores above are bfloat16 values).
+        gathered = gathered.view(rows, 4, TOPK, 2).permute(1, 0, 2, 3).contiguous()
+        bits = {"score_bits": 16, "id_bits": (width - 1).bit_length()}
+    got = stable_topk_from_gathered_candidates_cutedsl(gathered, TOPK, **bits)
+    want = stable_topk_stand_in(gathered, TOPK, **bits)
     assert selection_sets(got.cpu()) == selection_sets(want.cpu())
 
 

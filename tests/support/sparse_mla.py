@@ -60,11 +60,6 @@ from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
 from vllm_dcp_geometry.contract.collectives import REPLICA
 from vllm_dcp_geometry.contract.overrides import partial_collectives
-from vllm_dcp_geometry.tooling.cpu_stand_ins import (
-    cutedsl_merge_stand_ins,
-    sparse_attention,
-    triton_sparse_impl_class,
-)
 from vllm_dcp_geometry.tooling.sparse_rank_run import (
     LATENT_DIM,
     VALUE_DIM,
@@ -77,6 +72,12 @@ from vllm_dcp_geometry.tooling.sparse_rank_run import (
     shard_logits,
     tied_scores,
     write_dsv32_config,
+)
+from vllm_dcp_geometry.tooling.sparse_stand_ins import (
+    cutedsl_merge_stand_ins,
+    selector_reads_rank_major,
+    sparse_attention,
+    triton_sparse_impl_class,
 )
 
 SCALE = LATENT_DIM**-0.5
@@ -140,65 +141,8 @@ def merge_stand_ins(
                 calls.selector_calls.append(coop.local.rank)
                 calls.gathered_widths.append(int(gathered.shape[1]))
 
-            stack.enter_context(_selector_stand_ins(selected))
+            stack.enter_context(cutedsl_merge_stand_ins(selected))
         yield calls
-
-
-def selector_reads_rank_major() -> bool:
-    """Whether vLLM's CuteDSL selector reads the rank-major ``[W, rows,
-    top-k, 2]`` candidates of a dim-0 all-gather and keys ``score_bits`` /
-    ``id_bits`` (vLLM 0.34) rather than ``[rows, W * top-k, 2]`` (0.33)."""
-    import inspect
-
-    from vllm.model_executor.kernels.attention.dsa import dcp_indexer_cutedsl
-
-    selector = dcp_indexer_cutedsl.stable_topk_from_gathered_candidates_cutedsl
-    return "score_bits" in inspect.signature(selector).parameters
-
-
-@contextlib.contextmanager
-def _selector_stand_ins(on_select: Any) -> Iterator[None]:
-    """The tooling's ``cutedsl_merge_stand_ins`` where the selector is
-    0.33's; on 0.34 (until the tooling's stand-in reads it) the same torch
-    selector behind 0.34's rank-major contract: ``[W, rows, top-k, 2]``
-    read as each row's W x top-k candidates in rank order, 32 score bits
-    (float32 logits, the only ones these tests merge) and ids within
-    ``id_bits``; ``on_select`` sees the ``[rows, W * top-k, 2]`` view."""
-    if not selector_reads_rank_major():
-        with cutedsl_merge_stand_ins(on_select):
-            yield
-        return
-    import vllm.model_executor.layers.sparse_attn_indexer as sai
-    from vllm.model_executor.kernels.attention.dsa import dcp_indexer_cutedsl
-
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import (
-        check_merge_inputs,
-        stable_topk_stand_in,
-    )
-
-    def selector(
-        gathered: Any,
-        topk: int,
-        out: Any = None,
-        score_bits: int = 32,
-        id_bits: int = 32,
-    ) -> Any:
-        assert gathered.dim() == 4 and gathered.shape[2:] == (topk, 2)
-        assert score_bits == 32, "the stand-in keys float32 scores only"
-        rows = gathered.permute(1, 0, 2, 3).reshape(gathered.shape[1], -1, 2)
-        assert not bool((rows[..., 1] >= 2**id_bits).any()), "an id past id_bits"
-        on_select(rows)
-        return stable_topk_stand_in(rows, topk, out=out)
-
-    with (
-        replaced(
-            dcp_indexer_cutedsl,
-            "stable_topk_from_gathered_candidates_cutedsl",
-            selector,
-        ),
-        replaced(sai, "_assert_cutedsl_dcp_merge_supported", check_merge_inputs),
-    ):
-        yield
 
 
 def indexer_geometry(dcp: int, shard_count: int, rank: int, interleave: int) -> Any:

@@ -295,7 +295,11 @@ whenever DCP is on (it reads the parallel config, not the group)."""
 def vllm_shard_count(
     kind: AttentionKind, dcp_world_size: int, default_shard_count: int
 ) -> int:
-    """The K vLLM 0.33.0's own attention code reads a group's cache with."""
+    """The K vLLM's own attention code reads a group's cache with. MLA reads
+    D on 0.33.0 and 0.34.0 alike: 0.34.0's metadata builder takes world 1 for
+    a ``dcp_sharded=False`` spec, but the impl and layer, built before specs
+    exist, keep D (a draft built at DCP 1 has impl world 1, which admission
+    checks apart)."""
     if kind is AttentionKind.MLA:
         return dcp_world_size
     return default_shard_count

@@ -62,9 +62,10 @@ def attention_kind(kv_cache_spec: Any, backend: Any = None) -> AttentionKind:
 
 
 def upstream_read_shard_count(kv_cache_spec: Any, dcp_world_size: int) -> int | None:
-    """The K unpatched vLLM 0.33.0's attention reads a group's cache with
-    (None: no attention reads it): MLA always D, other backends D or 1 from
-    ``dcp_sharded`` (``attention_backends.vllm_shard_count``)."""
+    """The K unpatched vLLM's attention reads a group's cache with (None: no
+    attention reads it): MLA always D, other backends D or 1 from
+    ``dcp_sharded`` (``attention_backends.vllm_shard_count``, which says why
+    that holds on 0.34.0 too)."""
     kind = attention_kind(kv_cache_spec)
     if kind is AttentionKind.NONE:
         return None

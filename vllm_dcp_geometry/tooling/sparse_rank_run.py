@@ -35,6 +35,7 @@ from typing import Any
 from vllm_dcp_geometry.contract import cdiv, local_seq_len, reference_slot_mapping
 from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, verify_symbol
 from vllm_dcp_geometry.tooling.mla_rank_run import write_deepseek_config
+from vllm_dcp_geometry.tooling.vllm_release import on_installed_release
 
 LATENT_DIM = 576
 """``kv_lora_rank + rope``: the one head size of the sparse kernels."""
@@ -53,19 +54,37 @@ E4M3_MAX = 448.0
 """The largest float8_e4m3 value: the fp8_ds_mla writer's scale is a tile's
 largest magnitude over it."""
 
-INDEXER_OP = UpstreamSymbol(
-    "vllm.model_executor.layers.sparse_attn_indexer",
-    "sparse_attn_indexer",
-    "hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, weights, "
-    "quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len, "
+INDEXER_OP_PARAMETERS = {
+    "0.33.0": "hidden_states, k_cache_prefix, kv_cache, q_quant, q_scale, k, "
+    "weights, quant_block_size, scale_fmt, topk_tokens, head_dim, max_model_len, "
     "total_seq_lens, topk_indices_buffer, skip_k_cache_insert, use_pcp, "
     "pcp_shard_decode_requests, dense_mha_metadata_layer_name, use_fp4_cache=, "
     "dcp_rank=, dcp_world_size=, cp_kv_cache_interleave_size=, "
     "skip_topk_buffer_clear=, candidate_blocks=, candidate_block_size=, "
     "candidate_write=, topk_backend=",
+}
+# 0.34.0 adds the logits dtype and the direct merge's row limit, both handed
+# on to the merge as the op does.
+INDEXER_OP_PARAMETERS["0.34.0"] = (
+    INDEXER_OP_PARAMETERS["0.33.0"] + ", logits_dtype=, dcp_direct_topk_max_rows="
 )
-"""The op ``indexer_op_stand_in`` stands in for, with the parameters it
-reads."""
+MERGE_KEYWORDS_034 = {
+    "logits_dtype": "logits_dtype",
+    "num_positions": "max_model_len",
+    "direct_max_rows": "dcp_direct_topk_max_rows",
+}
+"""What 0.34.0's op hands its merge beyond 0.33.0's arguments, by the op's
+parameter it takes each from."""
+
+
+def indexer_op_symbol() -> UpstreamSymbol:
+    """The op ``indexer_op_stand_in`` stands in for, with the parameters it
+    reads on the installed release."""
+    return UpstreamSymbol(
+        "vllm.model_executor.layers.sparse_attn_indexer",
+        "sparse_attn_indexer",
+        on_installed_release(INDEXER_OP_PARAMETERS),
+    )
 
 
 # Geometry -----------------------------------------------------------------------
@@ -186,7 +205,7 @@ def indexer_op_stand_in(
     record: Callable[[IndexerCall], None],
 ) -> Callable[..., Any]:
     """Stand-in for vLLM's ``sparse_attn_indexer`` op (DeepGEMM logits and
-    top-k need CUDA), bound to its real signature (``INDEXER_OP``, checked):
+    top-k need CUDA), bound to its real signature (``indexer_op_symbol``, checked):
     ``hidden_states`` carries this rank's indexer logits over its local
     positions (``-inf`` past the local length); it writes their local top-k
     into ``topk_indices_buffer`` and merges it with vLLM's
@@ -198,8 +217,10 @@ def indexer_op_stand_in(
 
     from vllm_dcp_geometry.runtime.group_context import current_indexer_geometry
 
-    verify_symbol(INDEXER_OP)
+    verify_symbol(indexer_op_symbol())
     signature = inspect.signature(sai.sparse_attn_indexer)
+    # 0.33.0's op has max_model_len too, but its merge takes none of these.
+    merge_keywords = on_installed_release({"0.33.0": {}, "0.34.0": MERGE_KEYWORDS_034})
 
     def sparse_attn_indexer(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
@@ -226,6 +247,7 @@ def indexer_op_stand_in(
             a["dcp_rank"],
             a["dcp_world_size"],
             a["cp_kv_cache_interleave_size"],
+            **{key: a[name] for key, name in merge_keywords.items()},
         )
         return buffer
 

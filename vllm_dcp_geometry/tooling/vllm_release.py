@@ -18,10 +18,13 @@ Nothing here imports vLLM: the release is the installed distribution's.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from vllm_dcp_geometry._version import installed_vllm_version
 from vllm_dcp_geometry.tooling.topology import TopologyError
+
+T = TypeVar("T")
 
 MODEL_RUNNER_V1_RELEASES: tuple[str, ...] = ("0.33.0",)
 """The supported releases that still have Model Runner V1."""
@@ -65,3 +68,15 @@ def process_weights_after_loading(layer: Any, dtype: Any) -> None:
         return
     layer.act_dtype = dtype
     method()
+
+
+def on_installed_release(per_release: Mapping[str, T]) -> T:
+    """The installed release's entry of ``per_release`` (what a tool's pin or
+    stand-in was written against there); a release without one is refused in
+    one line naming the releases that have one."""
+    release = vllm_release()
+    if release not in per_release:
+        raise TopologyError(
+            f"the tools know vLLM {', '.join(per_release)} here, not {release}"
+        )
+    return per_release[release]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from vllm_dcp_geometry.contract.layer_classes import layer_class_path
 from vllm_dcp_geometry.tooling.cpu_stand_ins import KernelNotHere, ops_bound_not_run
 from vllm_dcp_geometry.tooling.topology import TopologyError
 from vllm_dcp_geometry.tooling.vllm_release import has_model_runner_v1
@@ -95,11 +96,6 @@ class CollectedLayer:
     draft: bool
 
 
-def _layer_class(module: Any) -> str:
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _attention_layers(vllm_config: Any) -> dict[str, Any]:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -114,7 +110,6 @@ def _load_draft(target: Any, vllm_config: Any) -> Any:
     spec = vllm_config.speculative_config
     if spec is None or spec.draft_model_config is None:
         return None
-    _check_draft_dcp(vllm_config)
     if _runs_model_runner_v2(vllm_config):
         from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
         from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
@@ -131,7 +126,7 @@ def _load_draft(target: Any, vllm_config: Any) -> Any:
             f"--speculative-config method {spec.method!r}: planning builds "
             "EAGLE/MTP, DFlash and DSpark drafts only"
         )
-    return loader(target, vllm_config)
+    return loader(target, _draft_vllm_config(vllm_config))
 
 
 def _runs_model_runner_v2(vllm_config: Any) -> bool:
@@ -143,21 +138,34 @@ def _runs_model_runner_v2(vllm_config: Any) -> bool:
     return bool(vllm_config.use_v2_model_runner)
 
 
-def _check_draft_dcp(vllm_config: Any) -> None:
-    """Refuse a draft built at its own DCP size (0.34.0's
-    ``draft_decode_context_parallel_size``): its speculator rebuilds the
-    draft under another parallel config, which a planning build does not
-    model, so its groups would be planned at the target's D."""
+def draft_dcp_size(vllm_config: Any) -> int:
+    """The DCP size the draft is built at: 0.34.0's
+    ``draft_decode_context_parallel_size`` (resolved by vLLM's speculative
+    config: 1 or the target's D), else the target's D."""
+    target = vllm_config.parallel_config.decode_context_parallel_size
     spec = vllm_config.speculative_config
     dcp = getattr(spec, "draft_decode_context_parallel_size", None)
-    target = vllm_config.parallel_config.decode_context_parallel_size
-    if dcp is not None and dcp != target:
-        raise TopologyError(
-            f"--speculative-config draft_decode_context_parallel_size={dcp}: "
-            f"planning builds the draft at the target's DCP size ({target}) "
-            "only; leave it unset, or replicate the draft's layers with "
-            "--additional-config dcp_geometry overrides"
-        )
+    return target if dcp is None else int(dcp)
+
+
+def _draft_vllm_config(vllm_config: Any) -> Any:
+    """The config the draft is loaded with: the target's, or where the draft
+    runs at its own DCP size a copy whose parallel config says so, as
+    Model Runner V2's draft speculator makes it (its layers and impls are
+    then built for that world)."""
+    import copy
+
+    from vllm.config import replace as replace_config
+
+    dcp = draft_dcp_size(vllm_config)
+    parallel_config = vllm_config.parallel_config
+    if dcp == parallel_config.decode_context_parallel_size:
+        return vllm_config
+    draft_config = copy.copy(vllm_config)
+    draft_config.parallel_config = replace_config(
+        parallel_config, decode_context_parallel_size=dcp
+    )
+    return draft_config
 
 
 def _v1_loader(spec: Any) -> Any:
@@ -249,13 +257,14 @@ def collect_kv_cache_specs(vllm_config: Any) -> tuple[list[CollectedLayer], int]
         except Exception as exc:
             raise _build_error(vllm_config, exc) from exc
         vllm.platforms.current_platform.update_block_size_for_backend(vllm_config)
-        specs = _runner_kv_cache_spec(vllm_config)
-    layers = _attention_layers(vllm_config)
+        layers = _attention_layers(vllm_config)
+        drafts = {name for name, layer in layers.items() if layer.is_draft_layer}
+        specs = _runner_kv_cache_spec(vllm_config, drafts)
     collected = [
         CollectedLayer(
             name=name,
             spec=spec,
-            layer_class=_layer_class(layers[name]),
+            layer_class=layer_class_path(layers[name]),
             backend=layers[name].get_attn_backend().get_name(),
             draft=bool(layers[name].is_draft_layer),
         )
@@ -264,22 +273,34 @@ def collect_kv_cache_specs(vllm_config: Any) -> tuple[list[CollectedLayer], int]
     return collected, parameter_bytes(models)
 
 
-def _runner_kv_cache_spec(vllm_config: Any) -> dict[str, Any]:
+def _runner_kv_cache_spec(vllm_config: Any, draft_layers: set[str]) -> dict[str, Any]:
     """The specs a worker's model runner collects, through its own
     ``get_kv_cache_spec`` (patched: the operator's overrides applied): Model
     Runner V1's where the release has it (what 0.33.0 planned with), else
-    V2's. V2's marks a draft at DCP 1 replicated; ``_check_draft_dcp`` has
-    refused that draft, so its speculator stands in as absent."""
+    V2's, whose draft speculator (``draft_layers``, at ``draft_dcp_size``)
+    marks a draft at DCP 1 under a DCP target replicated."""
     if has_model_runner_v1():
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         runner = SimpleNamespace(vllm_config=vllm_config, shared_kv_cache_layers={})
         return GPUModelRunner.get_kv_cache_spec(runner)  # type: ignore[arg-type]
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
+    class PlannedDraft(DraftModelSpeculator):
+        """The runner's draft speculator as far as ``get_kv_cache_spec``
+        reads it (its DCP size and draft layers); never constructed nor run."""
+
+        capture = init_cudagraph_manager = load_draft_model = propose = None
+
+    speculator = None
+    if draft_layers:
+        speculator = object.__new__(PlannedDraft)
+        speculator.dcp_size = draft_dcp_size(vllm_config)
+        speculator.draft_attn_layer_names = set(draft_layers)
     runner = SimpleNamespace(
         vllm_config=vllm_config,
-        speculator=None,
+        speculator=speculator,
         dcp_size=vllm_config.parallel_config.decode_context_parallel_size,
     )
     return V2Runner.get_kv_cache_spec(runner)  # type: ignore[arg-type]

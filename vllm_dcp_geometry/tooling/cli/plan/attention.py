@@ -34,6 +34,7 @@ from vllm_dcp_geometry.tooling.sm90_backends import (
     NON_CAUSAL_DCP_MLA_BACKEND,
 )
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology, TopologyError
+from vllm_dcp_geometry.tooling.vllm_release import on_installed_release, vllm_release
 
 LAYER_CLASS_BACKENDS = {
     DEEPSEEK_V32_ATTENTION: "FLASHMLA_SPARSE",
@@ -48,10 +49,17 @@ FIXED_BACKEND_CLASSES = frozenset({DEEPSEEK_V32_INDEXER_CACHE})
 not reach them)."""
 
 NON_CAUSAL_DCP_MLA_BACKENDS = frozenset(
-    {"FLASHINFER_MLA", "TOKENSPEED_MLA", "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA"}
+    {
+        "FLASHINFER_MLA",
+        "TOKENSPEED_MLA",
+        "ROCM_AITER_MLA",
+        "ROCM_AITER_TRITON_MLA",
+        "KIMI_K3_KV_BALANCED_MLA",  # 0.34.0
+    }
 )
 """MLA backends whose builder has ``supports_non_causal_multi_token_dcp``
-(a test checks the list against vLLM's importable backends)."""
+on a release that has them (a test checks the list against vLLM's
+importable backends)."""
 
 _ATTENTION_KINDS = {
     "mla": AttentionKind.MLA,
@@ -166,18 +174,25 @@ def vllm_selector_refusal(
 
 FLASHMLA_SPARSE = "FLASHMLA_SPARSE"
 
+FLASHMLA_SPARSE_RESTRICTS_EVERY_CACHE = {"0.33.0": True, "0.34.0": False}
+"""Whether FLASHMLA_SPARSE's builder restricts DCP whatever the cache dtype
+(0.33.0, whose impl refuses a bf16 cache under DCP anyway) or only for its
+quantized caches, vLLM's ``QUANTIZED_DS_MLA_CACHE_FORMATS`` (0.34.0: its
+bf16 kernel returns every token's LSE and pads the gathered heads itself)."""
+
 
 def flashmla_sparse_refusal(
     group: CacheGroup, index: int, backend: str | None, topology: Topology, k: int
 ) -> str | None:
-    """vLLM 0.33.0's FlashMLA sparse builder's refusal under DCP, for the
+    """vLLM's FlashMLA sparse builder's refusal under DCP, for the
     world the group's query is gathered over (the plugin's
     ``patches.worker.flashmla_sparse`` shows it that world: none for K = 1,
     K within a replica, else D): its fp8 decode runs DCP only on the
     mixed-batch path (fewer than ``MIN_HEADS_FOR_BF16_PREFILL`` heads per
     rank), and only where the local and the gathered head counts pad to the
-    same kernel envelope (vLLM's own ``_compute_fp8_decode_padded_heads``).
-    None where it builds, or where the topology gives no query heads."""
+    same kernel envelope (vLLM's own ``_compute_fp8_decode_padded_heads``);
+    on 0.34.0 for a quantized cache only. None where it builds, or where the
+    topology gives no query heads."""
     if backend != FLASHMLA_SPARSE:
         return None
     from vllm.v1.attention.backends.mla import flashmla_sparse
@@ -190,6 +205,12 @@ def flashmla_sparse_refusal(
         collective_world_size,
     )
 
+    restricts_every_cache = on_installed_release(FLASHMLA_SPARSE_RESTRICTS_EVERY_CACHE)
+    cache_dtype = group.spec_fields.get("cache_dtype_str")
+    if not restricts_every_cache and (
+        cache_dtype not in flashmla_sparse.QUANTIZED_DS_MLA_CACHE_FORMATS
+    ):
+        return None
     dcp = topology.decode_context_parallel_size
     within = topology.partial_collectives == REPLICA and collectives_within_replica(
         backend
@@ -204,7 +225,7 @@ def flashmla_sparse_refusal(
         return (
             f"{name}: FLASHMLA_SPARSE runs DCP only on its mixed-batch fp8 path, "
             f"fewer than {limit} query heads per rank; this group has {heads} "
-            "(vLLM 0.33.0's builder refuses it at start-up)"
+            f"(vLLM {vllm_release()}'s builder refuses it at start-up)"
         )
     pad = flashmla_sparse.FlashMLASparseImpl._compute_fp8_decode_padded_heads
     if pad(heads) != pad(heads * world):
@@ -212,8 +233,9 @@ def flashmla_sparse_refusal(
             f"{name}: FLASHMLA_SPARSE needs the local and gathered query heads "
             f"to pad to the same fp8 decode kernel envelope: {heads} heads per "
             f"rank pad to {pad(heads)}, the {heads * world} gathered over its "
-            f"W = {world} ranks to {pad(heads * world)} (vLLM 0.33.0's builder "
-            "refuses it at start-up; a smaller K within its replica gathers fewer)"
+            f"W = {world} ranks to {pad(heads * world)} (vLLM {vllm_release()}'s "
+            "builder refuses it at start-up; a smaller K within its replica "
+            "gathers fewer)"
         )
     return None
 

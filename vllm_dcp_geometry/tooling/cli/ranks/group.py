@@ -535,7 +535,6 @@ def run_phase(
         if run.cuda_graph:
             replayed = replay_decode_graph(inputs, set_up, run, cache)
             report["graph_max_abs_error"] = max_error(replayed, want)
-        report["impl_dcp_world_size"] = int(set_up.layer.impl.dcp_world_size)
     else:
         lse_error = _context_lse_error(set_up, seen, expected["context_lse"], run)
     report[f"{phase}_max_abs_error"] = max_error(output, want)
@@ -553,6 +552,16 @@ def run_phase(
     return report
 
 
+class PhaseCrashed(Exception):
+    """A phase of a built group raised (its ``__cause__``): what the group
+    had measured before it (``ran``: at least its layer class and the world
+    its impl attends over) and the phase."""
+
+    def __init__(self, ran: dict[str, Any], phase: str) -> None:
+        super().__init__(phase)
+        self.ran, self.phase = ran, phase
+
+
 def run_set_up(set_up: GroupSetUp, run: RankRun) -> dict[str, Any]:
     """Run every phase of a group built on this rank; its errors and
     traffic."""
@@ -560,9 +569,13 @@ def run_set_up(set_up: GroupSetUp, run: RankRun) -> dict[str, Any]:
     report: dict[str, Any] = {
         "name": set_up.group.name,
         "layer_class_run": f"{layer.__module__}.{layer.__qualname__}",
+        "impl_dcp_world_size": int(set_up.layer.impl.dcp_world_size),
     }
     for phase, requests in set_up.cases.items():
-        report.update(run_phase(phase, requests, set_up, run))
+        try:
+            report.update(run_phase(phase, requests, set_up, run))
+        except Exception as exc:
+            raise PhaseCrashed(report, phase) from exc
     return report
 
 

@@ -37,7 +37,8 @@ def _result(g: dict[str, Any]) -> str:
     if g["status"] != "run":
         return str(g["reason"])
     if g.get("crashed"):
-        return "CRASHED: " + "; ".join(g["crashed"])
+        phases = " in " + ", ".join(g["crashed_in"]) if g.get("crashed_in") else ""
+        return f"CRASHED{phases}: " + "; ".join(g["crashed"])
     status = "ok" if g["numerics_ok"] else "WRONG"
     if g.get("selection_ok") is False:
         # A DeepSeek-V3.2 layer: some rank's merged top-k is not the float64 one.

@@ -347,6 +347,24 @@ def _measured_sparse(
     }
 
 
+def _crashed(
+    ranks: list[dict[str, Any]], crashed: list[str], *, dcp: int, patched: bool
+) -> dict[str, Any]:
+    """A group some rank's layer raised in: what it raised, in which phase,
+    and (where every rank built its layer) the world its impl attends over
+    (unpatched: its mode, as for a group that ran)."""
+    row: dict[str, Any] = {"crashed": crashed, "ok": False}
+    phases = sorted({r["crashed_in"] for r in ranks if "crashed_in" in r})
+    if phases:
+        row["crashed_in"] = phases
+    if all("impl_dcp_world_size" in r for r in ranks):
+        attended = max(r["impl_dcp_world_size"] for r in ranks)
+        row["attention_world_size"] = attended
+        if not patched:
+            row["attention_mode"] = "local" if attended == 1 else "dcp"
+    return row
+
+
 def merge(
     topology: Any,
     groups: list[dict[str, Any]],
@@ -374,7 +392,7 @@ def merge(
             crashed = sorted({r["crashed"] for r in ranks if "crashed" in r})
             measure = _measured_sparse if "sparse_role" in ranks[0] else _measured
             if crashed:
-                row.update(crashed=crashed, ok=False)
+                row.update(_crashed(ranks, crashed, dcp=dcp, patched=patched))
             else:
                 row.update(measure(g, ranks, dcp=dcp, patched=patched, backend=backend))
         rows.append(row)

@@ -28,7 +28,7 @@ Triton pack kernel, the all-gather over the DCP or replica
 device (``sparse_rank_run.indexer_op_stand_in``, beneath the plugin's
 wrapper, re-made by the wrapper's own factory): each rank's logits are the
 run's scores at the positions its shard stores. On a CPU the CuteDSL selector
-and FlashMLA's kernels are stood in for too (``cpu_stand_ins``): the impl is
+and FlashMLA's kernels are stood in for too (``sparse_stand_ins``): the impl is
 vLLM's ``SparseMLACommonImpl`` with vLLM's Triton sparse MLA kernel in its
 kernel hook, reading a cache of the run's dtype that holds exactly the values
 an ``fp8_ds_mla`` row represents (``sparse_rank_run.fp8_ds_mla_values``), not
@@ -163,14 +163,14 @@ class SparseSetUp:
 
 def backend_class(device: str, dtype: str) -> type:
     """FLASHMLA_SPARSE; on a CPU the same backend (its builder, its name)
-    handing out ``cpu_stand_ins.triton_sparse_impl_class`` as its impl (its
+    handing out ``sparse_stand_ins.triton_sparse_impl_class`` as its impl (its
     Triton kernel as shipped, or with a float32 store for a float32 run)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     flashmla_sparse = AttentionBackendEnum["FLASHMLA_SPARSE"].get_class()
     if device != "cpu":
         return flashmla_sparse
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import triton_sparse_impl_class
+    from vllm_dcp_geometry.tooling.sparse_stand_ins import triton_sparse_impl_class
 
     impl = triton_sparse_impl_class(fp32_store=dtype == "float32")
 
@@ -534,7 +534,7 @@ def indexer_op_stood_in(
     with contextlib.ExitStack() as stack:
         stack.enter_context(replaced(dsv32, "sparse_attn_indexer", call))
         if current_platform.device_type == "cpu":
-            from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+            from vllm_dcp_geometry.tooling.sparse_stand_ins import (
                 cutedsl_merge_stand_ins,
             )
 
@@ -577,7 +577,7 @@ def prepare_step(
     common = common_metadata(inputs.base, layout.interleave, run, slots)
     with contextlib.ExitStack() as stack:
         if device == "cpu":
-            from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+            from vllm_dcp_geometry.tooling.sparse_stand_ins import (
                 flashmla_scheduler_stand_in,
             )
 
@@ -735,7 +735,7 @@ def _traffic_fields(traffic: Traffic) -> dict[str, Any]:
 
 def _stand_ins(run: RankRun, shape: Shape) -> list[str]:
     """What ran in place of vLLM's own code on this rank, in words."""
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import DSA_CUTEDSL
+    from vllm_dcp_geometry.tooling.sparse_stand_ins import DSA_CUTEDSL
 
     words = [
         "vllm.model_executor.layers.sparse_attn_indexer.sparse_attn_indexer's "

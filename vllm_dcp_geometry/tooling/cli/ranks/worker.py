@@ -31,7 +31,11 @@ from vllm_dcp_geometry.runtime.replica_groups import (
     make_replica_groups,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.cases import RUNNERS_BY_NAME, Shape
-from vllm_dcp_geometry.tooling.cli.ranks.group import PlannedGroup, RankRun
+from vllm_dcp_geometry.tooling.cli.ranks.group import (
+    PhaseCrashed,
+    PlannedGroup,
+    RankRun,
+)
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import (
     enable_flight_recorder,
     install_meters,
@@ -69,14 +73,26 @@ def init_method(plan: dict[str, Any]) -> str:
     return plan.get("init_method") or f"tcp://127.0.0.1:{plan['port']}"
 
 
+def _frame(frame: traceback.FrameSummary) -> str:
+    """``path:line in function``, the path from vLLM's or this package's
+    root."""
+    path = frame.filename.rpartition(f"site-packages{os.sep}")[2]
+    mine = path.rfind(f"vllm_dcp_geometry{os.sep}")
+    return f"{path[mine:] if mine >= 0 else path}:{frame.lineno} in {frame.name}"
+
+
 def _crash(exc: BaseException) -> str:
     """What a group raised, and where in vLLM (the innermost vLLM frame, else
-    the innermost one)."""
+    the innermost one); raised below that frame by this project's code (a
+    stand-in refusing what vLLM handed it), the raising frame too."""
     frames = traceback.extract_tb(exc.__traceback__)
     in_vllm = [f for f in frames if f"{os.sep}vllm{os.sep}" in f.filename]
     where = (in_vllm or frames)[-1]
-    path = where.filename.rpartition(f"site-packages{os.sep}")[2]
-    return f"{type(exc).__name__}: {exc} (at {path}:{where.lineno} in {where.name})"
+    raised = frames[-1]
+    at = f"at {_frame(where)}"
+    if raised is not where and f"{os.sep}vllm_dcp_geometry{os.sep}" in raised.filename:
+        at = f"raised at {_frame(raised)}, called {at}"
+    return f"{type(exc).__name__}: {exc} ({at})"
 
 
 def run_planned(entry: dict[str, Any], run: RankRun) -> dict[str, Any]:
@@ -85,6 +101,11 @@ def run_planned(entry: dict[str, Any], run: RankRun) -> dict[str, Any]:
     module = importlib.import_module(RUNNERS_BY_NAME[entry["runner"]].worker_module)
     try:
         return dict(module.run_group(PlannedGroup.from_plan(entry), run))
+    except PhaseCrashed as exc:
+        # A built layer raised in a phase (0.34.0's unpatched replicated
+        # MLA draft asserts in its chunked prefill): what it measured before.
+        cause = exc.__cause__ or exc
+        return {**exc.ran, "crashed": _crash(cause), "crashed_in": exc.phase}
     except Exception as exc:
         # What the layer raised is the group's result (unpatched vLLM's
         # replicated Kimi-K3 layer asserts, on every rank alike); a rank
