@@ -203,15 +203,17 @@ def test_admission_refuses_a_taught_backend_whose_patch_is_missing(
             layer_names=["missing.layer"],
         )
 
+    from vllm_dcp_geometry.runtime import patch_journal
+
     applied = plugin.applied_patches()
     monkeypatch.setattr(
-        patching,
+        patch_journal,
         "applied_patches",
         lambda: {**applied, PREFIX + "worker.flash_attn": "x"},
     )
     assert admit().mode is AttentionMode.LOCAL
     without = {k: v for k, v in applied.items() if not k.endswith("worker.flash_attn")}
-    monkeypatch.setattr(patching, "applied_patches", lambda: without)
+    monkeypatch.setattr(patch_journal, "applied_patches", lambda: without)
     refused = admit()
     assert refused.refused
     assert "vllm_dcp_geometry.patches.worker.flash_attn, which is not applied" in (
