@@ -32,7 +32,9 @@ class SizingGroup:
     """Stands for one of vLLM's process groups in a planning build: it
     answers the group's size and this process's rank (0, as the first rank of
     every group); its torch groups are ``fake``-backend groups of that size.
-    Anything else (a collective) raises: a planning build never talks."""
+    An all-gather (0.34.0's MLA gathers ``W_UV`` over DCP for its a2a
+    combine while post-processing weights) answers the gathered shape from
+    this rank's copies; anything else raises: a planning build never talks."""
 
     def __init__(self, name: str, world_size: int, device_group: Any) -> None:
         self.unique_name = name
@@ -44,6 +46,12 @@ class SizingGroup:
         self.use_device_communicator = False
         self.device_communicator = None
         self.device_group = self.cpu_group = device_group
+
+    def all_gather(self, input_: Any, dim: int = -1) -> Any:
+        import torch
+
+        # The gathered shape, from this rank's copies: no other rank exists.
+        return torch.cat([input_] * self.world_size, dim=dim)
 
     def __getattr__(self, name: str) -> Any:
         raise RuntimeError(
