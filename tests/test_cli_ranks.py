@@ -393,8 +393,8 @@ def test_the_kv_write_stand_in_writes_the_contracts_slots(
     import torch
     import vllm._custom_ops as ops
 
-    from vllm_dcp_geometry.tooling import cpu_stand_ins
-    from vllm_dcp_geometry.tooling.cli.ranks import group
+    from vllm_dcp_geometry.tooling import custom_op_stand_ins as cpu_stand_ins
+    from vllm_dcp_geometry.tooling.cli.ranks.runners import inputs as group
 
     monkeypatch.setattr(ops, "concat_and_cache_mla", cpu_stand_ins.concat_and_cache_mla)
     shape = Shape(2, kv_lora_rank=5, rope_dim=3, dtype="float32", max_model_len=64)
@@ -437,8 +437,9 @@ def test_the_worker_pins_what_it_wraps_and_stands_in_for() -> None:
     import dataclasses
 
     from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, verify_symbol
-    from vllm_dcp_geometry.tooling.cli.ranks.measuring import METERED, PYNCCL_METERED
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import STAND_IN_SYMBOLS
+    from vllm_dcp_geometry.tooling.cli.ranks.measuring import METERED
+    from vllm_dcp_geometry.tooling.cli.ranks.traffic import PYNCCL_METERED
+    from vllm_dcp_geometry.tooling.custom_op_stand_ins import STAND_IN_SYMBOLS
 
     for symbol in (*METERED, *PYNCCL_METERED, *STAND_IN_SYMBOLS):
         verify_symbol(symbol)

@@ -527,7 +527,7 @@ def test_the_indexer_stand_in_runs_beneath_the_plugins_wrapper() -> None:
 
     from vllm_dcp_geometry.patches.worker import deepseek_v32_attention
     from vllm_dcp_geometry.runtime.patching import FACTORY_ATTR
-    from vllm_dcp_geometry.tooling.cli.ranks.sparse_mla import (
+    from vllm_dcp_geometry.tooling.cli.ranks.runners.sparse_indexer import (
         plugin_wrappers_around,
     )
 
@@ -552,7 +552,7 @@ def test_the_indexer_stand_in_runs_beneath_the_plugins_wrapper() -> None:
 
 def test_the_sparse_runner_pins_what_it_drives_and_stands_in_for() -> None:
     from vllm_dcp_geometry.runtime.patching import verify_symbol
-    from vllm_dcp_geometry.tooling.cli.ranks.sparse_mla import RELIED_ON
+    from vllm_dcp_geometry.tooling.cli.ranks.runners.sparse_layer import RELIED_ON
     from vllm_dcp_geometry.tooling.sparse_rank_run import indexer_op_symbol
     from vllm_dcp_geometry.tooling.sparse_stand_ins import (
         FLASHMLA_SCHEDULER,

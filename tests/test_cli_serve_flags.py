@@ -24,6 +24,7 @@ from tests.support.attention import (
 )
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import DcpGeometryError
+from vllm_dcp_geometry.contract.overrides import near_miss_sections
 from vllm_dcp_geometry.tooling import vllm_objects
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.tooling.cli.plan.attention import draft_backend
@@ -417,3 +418,22 @@ def test_toml_writer_refuses_what_it_cannot_write() -> None:
     assert tomllib.loads(topology_toml({"a": 'x\x7fy\n"', "t": {"b": [[1], [2]]}}))
     with pytest.raises(TopologyError, match=r"topology\.a: cannot write 1\.5 as TOML"):
         topology_toml({"a": 1.5})
+
+
+def test_plan_warns_of_a_near_miss_section_as_start_up_does(run_cli) -> None:
+    """A key that resembles the section gets start-up's warning, once, and
+    changes nothing: the plan is the plan without it (nothing refused)."""
+    section = {"layers": {"model.layers.*.self_attn.attn": 2}}
+    near_miss = json.dumps({"dcp_geomtry": section, "another_plugin": {}})
+    base = ("plan", "--json", "-p", "deepseek-v32-tp8-dcp8")
+    code, out, err = run_cli(*base, "--additional-config", near_miss)
+    assert code == 0, err
+    warned = [line for line in err.splitlines() if "resembles" in line]
+    assert warned == ["warning: " + near_miss_sections({"dcp_geomtry": section})[0]]
+    assert "'dcp_geomtry' resembles 'dcp_geometry'" in warned[0]
+    _, plain, _ = run_cli(*base)
+    assert json.loads(out)["groups"] == json.loads(plain)["groups"]
+    _, applied, _ = run_cli(
+        *base, "--additional-config", json.dumps({"dcp_geometry": section})
+    )
+    assert json.loads(applied)["groups"] != json.loads(plain)["groups"]

@@ -13,6 +13,7 @@ from vllm_dcp_geometry.contract.overrides import (
     SpecGeometry,
     layer_geometry,
     match_layers,
+    near_miss_sections,
     parse_overrides,
     target_geometry,
 )
@@ -52,7 +53,10 @@ def test_parse_values() -> None:
         # An explicit null is a mistake, not "no overrides".
         ({"dcp_geometry": None}, "must be a mapping.*got None"),
         ({"dcp_geometry": {"layers": None}}, "must map layer name patterns"),
-        ({"dcp_geometry": {"layer": {}}}, "unknown keys \\['layer'\\]"),
+        (
+            {"dcp_geometry": {"layer": {}}},
+            "unknown keys \\['layer'\\].*'layer' resembles 'layers'",
+        ),
         ({"dcp_geometry": {"layers": ["a"]}}, "must map layer name patterns"),
         (config({"a": 0}), "K must be >= 1"),
         (config({"a": -2}), "K must be >= 1"),
@@ -201,3 +205,31 @@ def test_sharded_and_replicated_with_pcp_keep_upstream_behaviour() -> None:
         override = LayerOverride("p", value)
         got = target_geometry("l", override, FULL, dcp_world_size=16, pcp_world_size=2)
         assert got == expected
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["dcp_geomtry", "dcp-geometry", "DCP_Geometry", "dcp_geometri", "dcpgeometry"],
+)
+def test_a_near_miss_section_is_warned_never_refused(key: str) -> None:
+    additional_config = {key: {"layers": {"model.layers.*": 2}}, "other": 1}
+    (warning,) = near_miss_sections(additional_config)
+    assert f"{key!r} resembles 'dcp_geometry'" in warning
+    assert "ignored" in warning
+    # Nothing of it applies, and nothing is refused.
+    assert parse_overrides(additional_config) == ()
+    # Beside the real section it is still named: what it says is lost.
+    assert near_miss_sections({**additional_config, "dcp_geometry": {}})
+
+
+@pytest.mark.parametrize(
+    "additional_config",
+    [
+        {"dcp_geometry": {"layers": {}}},
+        {"kv_transfer": 1, "dcp": 2, "geometry": 3, "dcp_geometry_extra": 4},
+        None,
+        "not a mapping",
+    ],
+)
+def test_other_plugins_keys_are_not_warned(additional_config) -> None:
+    assert near_miss_sections(additional_config) == ()

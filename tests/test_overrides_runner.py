@@ -272,6 +272,26 @@ def test_engine_core_checks_every_worker(make_config) -> None:
         get_global_kv_cache_groups(lost, [stage_a, stage_b])
 
 
+def test_start_up_warns_once_of_a_near_miss_section(make_config, caplog) -> None:
+    """The engine core's planning (once per start-up) names a key that only
+    resembles the plugin's section; start-up goes on, the overrides unapplied."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+
+    config = make_config({})
+    config.additional_config["dcp_geomtry"] = {"layers": OPERATOR_LAYERS}
+    specs = run_default(config)
+    assert specs == run_default(make_config({}))
+    # Grouping itself needs a model config; the check runs first.
+    with (
+        caplog.at_level("WARNING", logger="vllm_dcp_geometry"),
+        pytest.raises(AttributeError, match="supports_kv_cache_grouping"),
+    ):
+        get_global_kv_cache_groups(config, [specs])
+    warned = [r.getMessage() for r in caplog.records if "resembles" in r.getMessage()]
+    assert len(warned) == 1
+    assert "'dcp_geomtry' resembles 'dcp_geometry'" in warned[0]
+
+
 def test_engine_args_carry_overrides_from_the_cli(tmp_path, monkeypatch) -> None:
     """``--additional-config`` as the CLI parses it reaches VllmConfig; the
     runner-side application then reads it from there."""

@@ -453,7 +453,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.workspace import init_workspace_manager
-from vllm_dcp_geometry.tooling.cpu_stand_ins import ops_bound_not_run
+from vllm_dcp_geometry.tooling.planning_stand_ins import ops_bound_not_run
 from vllm_dcp_geometry.tooling.serve.model_build import install_sizing_groups
 
 # TritonMLAImpl names the device in its fp8 check.

@@ -99,7 +99,7 @@ def _terms(profile: str):
     topology = load_profile(profile)
     picked = opt.choices(topology)
     per_choice = [
-        opt._options(topology, c, lambda t: build_plan(t), []) for c in picked
+        opt.admitted_options(topology, c, lambda t: build_plan(t), []) for c in picked
     ]
     return per_choice
 

@@ -31,15 +31,21 @@ def run_cli_json(run_cli):
 
 
 @pytest.mark.slow
-def test_llama_plan_from_the_serve_line_matches_vllms_parse(run_cli_json) -> None:
+def test_llama_plan_from_the_serve_line_matches_vllms_parse(run_cli) -> None:
     """``plan -- vllm serve DIR ...``: the flags vLLM's parser takes (a
-    frontend flag included), the groups vLLM's layers give."""
-    code, plan = run_cli_json(
+    frontend flag included), the groups vLLM's layers give; a near-miss
+    ``additional_config`` section gets start-up's one warning."""
+    code, out, err = run_cli(
         "plan", "--json", "--", "vllm", "serve", str(MODELS / "llama"),
         "--tensor-parallel-size", "16", "--decode-context-parallel-size", "2",
         "--port", "8123",
+        "--additional-config", '{"dcp-geometry": {"layers": {"*": 1}}}',
     )  # fmt: skip
-    assert code == 0
+    assert code == 0, err
+    warned = [line for line in err.splitlines() if "resembles" in line]
+    assert len(warned) == 1
+    assert "'dcp-geometry' resembles 'dcp_geometry'" in warned[0]
+    plan = json.loads(out)
     (group,) = plan["groups"]
     assert group["source"] == "model"
     assert group["kind"] == "full_attention"

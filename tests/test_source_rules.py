@@ -42,7 +42,7 @@ def tracked_python_files() -> list[str]:
     return [line for line in out.stdout.splitlines() if (REPO / line).exists()]
 
 
-@pytest.mark.parametrize("check", ["spdx", "imports"])
+@pytest.mark.parametrize("check", ["spdx", "imports", "sizes"])
 def test_the_repository_passes(check: str) -> None:
     result = subprocess.run(
         [sys.executable, "tools/check_sources.py", check, *tracked_python_files()],
@@ -199,3 +199,37 @@ def test_the_floors_hold_for_the_package_as_it_is() -> None:
     parts = {p.stem for p in package.glob("*.py")}
     parts |= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
     assert parts - set(check.MAY_IMPORT) == {"tooling", "__main__"}
+
+
+def test_a_long_module_or_function_fails(tmp_path: Path, monkeypatch) -> None:
+    check = _check_sources()
+    monkeypatch.chdir(tmp_path)
+    limit = check.MAX_FUNCTION_LINES
+    body = "".join(f"    x{i} = {i}\n" for i in range(limit - 1))
+    long_function = HEADER + "@staticmethod\ndef long_one():\n" + body
+    for root in check.SIZED:
+        where = Path(root) / "offender.py"
+        where.parent.mkdir(parents=True, exist_ok=True)
+        # The decorator counts: limit + 1 lines from it to the last statement.
+        where.write_text(long_function)
+        assert check.main(["sizes", str(where)]) == 1
+        assert any("function long_one is 81 lines" in p for p in check.size_problems(where))
+        where.write_text(long_function.replace("@staticmethod\n", ""))
+        assert check.main(["sizes", str(where)]) == 0
+        where.write_text(HEADER + "x = 1\n" * (check.MAX_MODULE_LINES - 1))
+        assert check.main(["sizes", str(where)]) == 1
+        where.write_text(HEADER + "x = 1\n" * (check.MAX_MODULE_LINES - 2))
+        assert check.main(["sizes", str(where)]) == 0
+    # The tests are not sized.
+    test = Path("tests/test_long.py")
+    test.parent.mkdir()
+    test.write_text(long_function + "x = 1\n" * check.MAX_MODULE_LINES)
+    assert check.main(["sizes", str(test)]) == 0
+
+
+def test_pre_commit_runs_the_size_check_on_the_sized_folders() -> None:
+    config = (REPO / ".pre-commit-config.yaml").read_text(encoding="utf-8")
+    hook = config.split("- id: sizes", 1)[1].split("- id:", 1)[0]
+    assert "entry: python tools/check_sources.py sizes" in hook
+    check = _check_sources()
+    assert "files: ^(" + "|".join(check.SIZED) + ")/" in hook

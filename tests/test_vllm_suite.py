@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -216,10 +217,10 @@ def test_pip_is_found_where_the_environment_has_none(
 ) -> None:
     """A virtual environment made with uv has no pip; any pip on PATH will do."""
     s = _vllm_suite()
-    monkeypatch.setattr(s.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(s.shutil, "which", lambda name: f"/bin/{name}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/bin/{name}")
     assert s.pip_command() == ["/bin/pip3"]
-    monkeypatch.setattr(s.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(s.SourceUnavailable, match="no pip"):
         s.pip_command()
 

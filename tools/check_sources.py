@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Source checks run by pre-commit: ``check_sources.py spdx|imports FILE...``.
+"""Source checks run by pre-commit: ``check_sources.py spdx|imports|sizes FILE...``.
 
 spdx: every Python file carries this project's SPDX header, never vLLM's.
 
@@ -24,6 +24,11 @@ imports: forbidden imports and settings in the package.
   of vLLM, even inside a function; the runtime imports the contract; patch
   modules import the contract and the runtime; the entry point those and the
   registry. None of them imports the tooling, which may import everything.
+
+sizes: in the package, the benchmarks and the tools (``SIZED``), no module
+over ``MAX_MODULE_LINES`` lines and no function over ``MAX_FUNCTION_LINES``
+(its decorators through its last line), so that a module reads in one sitting
+and a regression shows the day it lands. The tests are not sized.
 """
 
 from __future__ import annotations
@@ -266,9 +271,39 @@ def import_problems(path: Path) -> list[str]:
     return found
 
 
+SIZED = ("vllm_dcp_geometry", "benchmarks", "tools")
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def size_problems(path: Path) -> list[str]:
+    if not path.parts or path.parts[0] not in SIZED:
+        return []
+    text = path.read_text(encoding="utf-8")
+    found = []
+    lines = len(text.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(
+            f"{path}: {lines} lines, over the {MAX_MODULE_LINES}-line module limit; "
+            "split it by responsibility"
+        )
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        length = (node.end_lineno or node.lineno) - first + 1
+        if length > MAX_FUNCTION_LINES:
+            found.append(
+                f"{path}:{first}: function {node.name} is {length} lines, over the "
+                f"{MAX_FUNCTION_LINES}-line limit; split it where its steps are"
+            )
+    return found
+
+
 CHECKS: dict[str, Callable[[Path], list[str]]] = {
     "spdx": spdx_problems,
     "imports": import_problems,
+    "sizes": size_problems,
 }
 
 

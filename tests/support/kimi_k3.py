@@ -50,7 +50,7 @@ from tests.support.mla import (
     simulated_collectives,
 )
 from vllm_dcp_geometry.contract import reference_slot_mapping
-from vllm_dcp_geometry.tooling.cpu_stand_ins import (
+from vllm_dcp_geometry.tooling.kimi_k3_stand_ins import (
     KIMI_K3_FUSED_OPS,
     kimi_k3_fused_op_stand_ins,
 )

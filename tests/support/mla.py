@@ -37,8 +37,8 @@ import torch
 
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
-from vllm_dcp_geometry.tooling.cpu_stand_ins import STAND_IN_OPS
 from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced as replaced
+from vllm_dcp_geometry.tooling.custom_op_stand_ins import STAND_IN_OPS
 from vllm_dcp_geometry.tooling.mla_rank_run import (
     build_mla_layer,
     max_error,
@@ -47,7 +47,7 @@ from vllm_dcp_geometry.tooling.mla_rank_run import (
 )
 
 # Re-exported: the stand-ins, by name, for the tests and ``cpu_stand_ins``.
-from vllm_dcp_geometry.tooling.cpu_stand_ins import (  # isort: skip
+from vllm_dcp_geometry.tooling.custom_op_stand_ins import (  # isort: skip
     concat_and_cache_mla as concat_and_cache_mla,
     cp_gather_cache as cp_gather_cache,
     gather_and_maybe_dequant_cache as gather_and_maybe_dequant_cache,

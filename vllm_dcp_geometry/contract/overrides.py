@@ -159,11 +159,62 @@ def _section(additional_config: Any) -> Mapping[str, Any]:
         )
     unknown = sorted(str(key) for key in section if key not in SECTION_KEYS)
     if unknown:
+        hints = [
+            f"{key!r} resembles {known!r}"
+            for key in unknown
+            for known in SECTION_KEYS
+            if _resembles(key, known)
+        ]
+        hint = f" ({'; '.join(hints)})" if hints else ""
         raise DcpGeometryError(
             f"additional_config[{CONFIG_KEY!r}] has unknown keys {unknown}; "
-            f"the keys are {list(SECTION_KEYS)}"
+            f"the keys are {list(SECTION_KEYS)}{hint}"
         )
     return section
+
+
+NEAR_MISS_EDITS = 2
+"""How many single-character edits (insert, delete, substitute, swap two
+neighbours; case and ``-``/``_`` ignored) make a key resemble another."""
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance: Levenshtein plus adjacent swaps."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            row[j] = min(row[j - 1] + 1, rows[i - 1][j] + 1, rows[i - 1][j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[i - 2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def _resembles(key: str, known: str) -> bool:
+    def folded(text: str) -> str:
+        return text.strip().lower().replace("-", "_")
+
+    return key != known and _edit_distance(folded(key), folded(known)) <= (
+        NEAR_MISS_EDITS
+    )
+
+
+def near_miss_sections(additional_config: Any) -> tuple[str, ...]:
+    """One warning per ``additional_config`` key that resembles this plugin's
+    section but is not it (``"dcp_geomtry"``): that section is ignored, so
+    the operator's K does not apply. Warned, never refused: vLLM shares
+    ``additional_config`` with other plugins, whose keys are theirs."""
+    if not isinstance(additional_config, Mapping):
+        return ()
+    return tuple(
+        f"additional_config key {key!r} resembles {CONFIG_KEY!r}, the "
+        "vllm-dcp-geometry section, and is ignored: what it says does not "
+        f"apply (spell it {CONFIG_KEY!r} to apply it)"
+        for key in additional_config
+        if isinstance(key, str) and _resembles(key, CONFIG_KEY)
+    )
 
 
 def partial_collectives(additional_config: Any) -> str:

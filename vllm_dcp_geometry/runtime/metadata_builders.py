@@ -131,44 +131,73 @@ def builder_init(
             replica = None
             if teaching.replica_group is not None and geometry.is_partial:
                 replica = teaching.replica_group(geometry, vllm_config)
+            build = _BuilderConstruction(
+                teaching, geometry, vllm_config, layer_names, device, construct
+            )
             if replica is not None:
-                # The layers' replica managers must exist before upstream's
-                # constructor hands the first one its KV-gather workspace.
-                with use_replica_group(replica):
-                    bind_group_layers(
-                        vllm_config, layer_names, geometry, mla=teaching.mla
-                    )
-                    with use_group_geometry(geometry):
-                        construct()
-                    if teaching.finish is not None:
-                        teaching.finish(self, geometry, vllm_config, device)
-                setattr(self, REPLICA_GROUP_ATTR, replica)
-                setattr(self, BOUND_GEOMETRY_ATTR, geometry)
-                return
-            if (
-                geometry.is_partial
-                and teaching.replica_group is None
-                and partial_collectives(vllm_config.additional_config) == REPLICA
-            ):
-                logger.info(
-                    "%s: %s keeps the D-wide collectives: %s",
-                    geometry.describe(),
-                    type(self).__name__,
-                    D_WIDE_PARTIAL_REASON,
-                )
-            if teaching.construct_in_group(geometry):
-                with use_group_geometry(geometry):
-                    construct()
+                build.within_replica(self, replica)
             else:
-                construct()
-            if teaching.finish is not None:
-                teaching.finish(self, geometry, vllm_config, device)
-            setattr(self, BOUND_GEOMETRY_ATTR, geometry)
-            bind_group_layers(vllm_config, layer_names, geometry, mla=teaching.mla)
+                build.on_dcp_group(self)
 
         return __init__
 
     return make
+
+
+@dataclasses.dataclass(frozen=True)
+class _BuilderConstruction:
+    """One admitted builder's construction for a group whose K is not vLLM's
+    own: upstream's constructor (``construct``) in the group's geometry, the
+    backend's ``finish``, then the builder marked and the layers bound."""
+
+    teaching: BuilderTeaching
+    geometry: GroupGeometry
+    vllm_config: Any
+    layer_names: list[str]
+    device: Any
+    construct: Callable[[], None]
+
+    def within_replica(self, builder: Any, replica: Any) -> None:
+        """A partial group whose collectives stay within its replica (rule A6)."""
+        geometry, teaching = self.geometry, self.teaching
+        # The layers' replica managers must exist before upstream's
+        # constructor hands the first one its KV-gather workspace.
+        with use_replica_group(replica):
+            bind_group_layers(
+                self.vllm_config, self.layer_names, geometry, mla=teaching.mla
+            )
+            with use_group_geometry(geometry):
+                self.construct()
+            if teaching.finish is not None:
+                teaching.finish(builder, geometry, self.vllm_config, self.device)
+        setattr(builder, REPLICA_GROUP_ATTR, replica)
+        setattr(builder, BOUND_GEOMETRY_ATTR, geometry)
+
+    def on_dcp_group(self, builder: Any) -> None:
+        """Any other admitted group: its collectives run over vLLM's D ranks."""
+        geometry, teaching = self.geometry, self.teaching
+        if (
+            geometry.is_partial
+            and teaching.replica_group is None
+            and partial_collectives(self.vllm_config.additional_config) == REPLICA
+        ):
+            logger.info(
+                "%s: %s keeps the D-wide collectives: %s",
+                geometry.describe(),
+                type(builder).__name__,
+                D_WIDE_PARTIAL_REASON,
+            )
+        if teaching.construct_in_group(geometry):
+            with use_group_geometry(geometry):
+                self.construct()
+        else:
+            self.construct()
+        if teaching.finish is not None:
+            teaching.finish(builder, geometry, self.vllm_config, self.device)
+        setattr(builder, BOUND_GEOMETRY_ATTR, geometry)
+        bind_group_layers(
+            self.vllm_config, self.layer_names, geometry, mla=teaching.mla
+        )
 
 
 def group_local_seq_lens(

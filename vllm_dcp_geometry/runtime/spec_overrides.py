@@ -8,6 +8,7 @@ applied them, and one K per DSA indexer cache and sparse index group (A5).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -23,12 +24,15 @@ from vllm_dcp_geometry.contract.overrides import (
     check_indexer_caches,
     layer_geometry,
     match_layers,
+    near_miss_sections,
     parse_overrides,
     with_indexer_caches,
 )
 from vllm_dcp_geometry.runtime.worker_admission import (
     check_sharding_of_replicated_layer,
 )
+
+logger = logging.getLogger("vllm_dcp_geometry")
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -161,9 +165,13 @@ def check_applied(worker_specs: Iterable[Mapping[str, Any]], vllm_config: Any) -
     Every pattern must match a layer of some worker, and every matched layer
     must carry the geometry its override gives: a worker that did not load the
     plugin (or applied different overrides) fails here instead of silently
-    running another geometry.
+    running another geometry. A key that only resembles the plugin's section
+    is warned about here, once per start-up (the engine core plans once).
     """
-    overrides = parse_overrides(getattr(vllm_config, "additional_config", None))
+    additional_config = getattr(vllm_config, "additional_config", None)
+    for warning in near_miss_sections(additional_config):
+        logger.warning("%s", warning)
+    overrides = parse_overrides(additional_config)
     if not overrides:
         return
     parallel = vllm_config.parallel_config

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """What a run of vLLM's MLA attention across DCP ranks needs outside vLLM,
-on any device (what a CPU lacks besides is stood in for in ``cpu_stand_ins``):
+on any device (what a CPU lacks besides is stood in for by the stand-in
+modules ``cpu_stand_ins`` lists):
 
 - ``mla_reference``: float64 single-device MLA attention, what every rank's
   output and LSE are held to, ``max_error`` and ``magnitude``;

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """What a run of DeepSeek-V3.2's sparse MLA layer and its DSA indexer across
 DCP ranks needs outside vLLM, on any device (what a CPU lacks besides is
-stood in for in ``cpu_stand_ins``):
+stood in for in ``sparse_stand_ins``):
 
 - the **selection**: a float64 single-device top-k with vLLM's tie order
   (``reference_topk``, ties to the smaller id), each rank's indexer logits
@@ -19,8 +19,8 @@ stood in for in ``cpu_stand_ins``):
   holds what FlashMLA would dequantize;
 - ``write_dsv32_config``: a weightless DeepSeek-V3.2 config directory.
 
-Used by ``vllm-dcp-geometry ranks`` (``tooling.cli.ranks.sparse_mla``, in
-its worker processes) and by the suite's simulated ranks
+Used by ``vllm-dcp-geometry ranks`` (``tooling.cli.ranks.runners.sparse_*``,
+in its worker processes) and by the suite's simulated ranks
 (``tests.support.sparse_mla``). torch is imported inside the functions only.
 """
 

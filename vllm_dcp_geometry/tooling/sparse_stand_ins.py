@@ -15,7 +15,9 @@
   ``forward_mqa``. FlashMLA's scheduler metadata gets an empty
   ``FlashMLASchedMeta`` (``flashmla_scheduler_stand_in``).
 
-Every symbol stood in for or filled in is pinned per release
+On a GPU none of these runs: ``ranks --device cuda`` runs the CuteDSL
+selector and FlashMLA's sparse kernels on the ``fp8_ds_mla`` cache. Every
+symbol stood in for or filled in is pinned per release
 (``sparse_stand_in_symbols``). torch and vLLM are imported inside the
 functions only.
 """

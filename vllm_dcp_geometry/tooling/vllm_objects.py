@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -53,14 +54,63 @@ def _block_stride(f: Any) -> dict[str, Any]:
     return {}
 
 
-def _named_member(enum: Any, name: str, where: str) -> Any:
+def _named_member(enum: Any, name: str, where: str, *, field: str = "") -> Any:
     try:
         return enum[name]
     except KeyError as exc:
         names = [member.name for member in enum]
         raise TopologyError(
-            f"{where}: unknown {enum.__name__} {name!r}; one of {names}"
+            f"{where}: unknown {field or enum.__name__} {name!r}; one of {names}"
         ) from exc
+
+
+def _mamba_spec(group: CacheGroup, topology: Topology, where: str) -> Any:
+    import vllm.v1.kv_cache_interface as kvi
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    f = group.spec_fields
+    kwargs: dict[str, Any] = {
+        "block_size": group.block_size,
+        "shapes": tuple(tuple(s) for s in f["shapes"]),
+        "dtypes": tuple(_torch_dtype(d, where) for d in f["dtypes"]),
+        "mamba_cache_mode": topology.mamba_cache_mode,
+        "num_speculative_blocks": f.get("num_speculative_blocks", 0),
+        "num_prefill_checkpoint_blocks": f.get("num_prefill_checkpoint_blocks", 0),
+    }
+    for key in ("page_size_padded", "prefill_checkpoint_alignment"):
+        if key in f:
+            kwargs[key] = f[key]
+    kwargs.update(_block_stride(f))
+    if "mamba_type" in f:
+        kwargs["mamba_type"] = _named_member(
+            MambaAttentionBackendEnum, f["mamba_type"], where, field="mamba_type"
+        )
+    return kvi.MambaSpec(**kwargs)
+
+
+def _mla_fields(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
+    import vllm.v1.kv_cache_interface as kvi
+
+    kwargs: dict[str, Any] = {
+        key: fields[key]
+        for key in (
+            "cache_dtype_str",
+            "non_causal_multi_token_decode",
+            "state_content_bytes",
+            "topk_buffer_width",
+            "is_index_group_leader",
+        )
+        if key in fields
+    }
+    if "cache_role" in fields:
+        try:
+            kwargs["cache_role"] = kvi.SparseCacheRole(fields["cache_role"])
+        except ValueError as exc:
+            roles = [role.value for role in kvi.SparseCacheRole]
+            raise TopologyError(
+                f"{where}: unknown cache_role {fields['cache_role']!r}; one of {roles}"
+            ) from exc
+    return kwargs
 
 
 def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
@@ -73,33 +123,10 @@ def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
     import vllm.v1.kv_cache_interface as kvi
 
     where = f"group {group.name!r}"
-    f = group.spec_fields
     if group.kind == "mamba":
-        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-
-        kwargs: dict[str, Any] = {
-            "block_size": group.block_size,
-            "shapes": tuple(tuple(s) for s in f["shapes"]),
-            "dtypes": tuple(_torch_dtype(d, where) for d in f["dtypes"]),
-            "mamba_cache_mode": topology.mamba_cache_mode,
-            "num_speculative_blocks": f.get("num_speculative_blocks", 0),
-            "num_prefill_checkpoint_blocks": f.get("num_prefill_checkpoint_blocks", 0),
-        }
-        for key in ("page_size_padded", "prefill_checkpoint_alignment"):
-            if key in f:
-                kwargs[key] = f[key]
-        kwargs.update(_block_stride(f))
-        if "mamba_type" in f:
-            try:
-                kwargs["mamba_type"] = MambaAttentionBackendEnum[f["mamba_type"]]
-            except KeyError as exc:
-                names = [m.name for m in MambaAttentionBackendEnum]
-                raise TopologyError(
-                    f"{where}: unknown mamba_type {f['mamba_type']!r}; one of {names}"
-                ) from exc
-        return kvi.MambaSpec(**kwargs)
-
-    kwargs = {
+        return _mamba_spec(group, topology, where)
+    f = group.spec_fields
+    kwargs: dict[str, Any] = {
         "block_size": group.block_size,
         "num_kv_heads": f.get("num_kv_heads", 1),
         "head_size": f["head_size"],
@@ -119,23 +146,7 @@ def build_spec(group: CacheGroup, topology: Topology, *, patched: bool) -> Any:
         kwargs["dcp_kv_shard_count"] = group.dcp_kv_shard_count
     if group.kind == "mla":
         cls: Any = kvi.MLAAttentionSpec
-        for key in (
-            "cache_dtype_str",
-            "non_causal_multi_token_decode",
-            "state_content_bytes",
-            "topk_buffer_width",
-            "is_index_group_leader",
-        ):
-            if key in f:
-                kwargs[key] = f[key]
-        if "cache_role" in f:
-            try:
-                kwargs["cache_role"] = kvi.SparseCacheRole(f["cache_role"])
-            except ValueError as exc:
-                roles = [role.value for role in kvi.SparseCacheRole]
-                raise TopologyError(
-                    f"{where}: unknown cache_role {f['cache_role']!r}; one of {roles}"
-                ) from exc
+        kwargs.update(_mla_fields(f, where))
     elif group.kind == "sliding_window":
         cls = kvi.SlidingWindowSpec
         kwargs["sliding_window"] = f["sliding_window"]

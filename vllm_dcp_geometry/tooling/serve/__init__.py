@@ -30,7 +30,7 @@ def prepare_planning() -> None:
     os.environ.setdefault(OFFLINE, "1")
     import vllm.platforms
 
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import install_planning_stand_ins
+    from vllm_dcp_geometry.tooling.planning_stand_ins import install_planning_stand_ins
     from vllm_dcp_geometry.tooling.serve.planning_platform import (
         make_planning_platform,
     )

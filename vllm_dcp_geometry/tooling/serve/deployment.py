@@ -223,10 +223,14 @@ def _check_rebuilt(topology: Any, members_by_group: dict[str, list[Any]]) -> Non
                 )
 
 
-def deployment_mapping(argv: Sequence[str]) -> tuple[dict[str, Any], int]:
+def deployment_mapping(
+    argv: Sequence[str],
+) -> tuple[dict[str, Any], int, tuple[str, ...]]:
     """In a planning process: the topology mapping of the model and serve
-    flags ``argv``, checked against the specs vLLM built, and the built
-    models' parameter bytes per rank."""
+    flags ``argv``, checked against the specs vLLM built, the built models'
+    parameter bytes per rank, and start-up's warnings of a near-miss
+    ``additional_config`` section."""
+    from vllm_dcp_geometry.contract.overrides import near_miss_sections
     from vllm_dcp_geometry.tooling.serve import prepare_planning
 
     prepare_planning()
@@ -257,7 +261,7 @@ def deployment_mapping(argv: Sequence[str]) -> tuple[dict[str, Any], int]:
     mapping = _topology_mapping(config, [entry for entry, _ in entries])
     topology = topology_from_mapping(mapping, source=MODEL_SOURCE)
     _check_rebuilt(topology, {e["name"]: m for e, m in entries})
-    return mapping, weight_bytes
+    return mapping, weight_bytes, near_miss_sections(config.additional_config)
 
 
 def _topology_mapping(config: Any, groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -315,6 +319,8 @@ def model_topology(argv: Sequence[str]) -> Any:
         ) from exc
     if "error" in result:
         raise TopologyError(result["error"])
+    for warning in result["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     topology = topology_from_mapping(result["topology"], source=MODEL_SOURCE)
     return dataclasses.replace(
         topology, weight_bytes_per_rank=result["weight_bytes_per_rank"]
@@ -324,10 +330,11 @@ def model_topology(argv: Sequence[str]) -> Any:
 def planning_main(argv: Sequence[str]) -> int:
     """The planning process: one JSON line, the topology or the error."""
     try:
-        mapping, weight_bytes = deployment_mapping(argv)
+        mapping, weight_bytes, warnings = deployment_mapping(argv)
         document: dict[str, Any] = {
             "topology": mapping,
             "weight_bytes_per_rank": weight_bytes,
+            "warnings": list(warnings),
         }
     except TopologyError as exc:
         document = {"error": str(exc)}

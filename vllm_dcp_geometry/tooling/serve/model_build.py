@@ -21,7 +21,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_dcp_geometry.contract.layer_classes import layer_class_path
-from vllm_dcp_geometry.tooling.cpu_stand_ins import KernelNotHere, ops_bound_not_run
+from vllm_dcp_geometry.tooling.cpu_stand_ins import KernelNotHere
+from vllm_dcp_geometry.tooling.planning_stand_ins import ops_bound_not_run
 from vllm_dcp_geometry.tooling.topology import TopologyError
 from vllm_dcp_geometry.tooling.vllm_release import has_model_runner_v1
 

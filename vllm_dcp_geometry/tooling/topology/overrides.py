@@ -27,6 +27,7 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -39,6 +40,7 @@ from vllm_dcp_geometry.contract.overrides import (
     SpecGeometry,
     layer_geometry,
     match_layers,
+    near_miss_sections,
     parse_overrides,
     partial_collectives,
     with_indexer_caches,
@@ -134,12 +136,21 @@ def _overridden_group(
     return replace(group, spec_fields=fields)
 
 
+def warn_near_miss_sections(additional_config: Any) -> None:
+    """Start-up's warning for a key that only resembles the plugin's section
+    (``near_miss_sections``), on standard error: the same words, nothing
+    refused."""
+    for warning in near_miss_sections(additional_config):
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def apply_additional_config(topology: Topology, additional_config: Any) -> Topology:
     """``topology`` with the ``dcp_geometry`` section of ``additional_config``
     (``VllmConfig.additional_config``, as ``--additional-config`` gives it)
     applied: its layer overrides to the groups and its
     ``partial_collectives``, where it names one, to the layout. Bad input
     raises start-up's ``DcpGeometryError``, message for message."""
+    warn_near_miss_sections(additional_config)
     overrides = parse_overrides(additional_config)
     where = partial_collectives(additional_config)
     changes: dict[str, Any] = {}

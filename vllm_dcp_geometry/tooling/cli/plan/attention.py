@@ -29,6 +29,10 @@ from vllm_dcp_geometry.runtime.geometry import (
     default_shard_count,
     kv_cache_group_name,
 )
+from vllm_dcp_geometry.tooling.cli.plan.kernel_shapes import (
+    combine_refusal,
+    latent_row_refusal,
+)
 from vllm_dcp_geometry.tooling.sm90_backends import (
     DEFAULT_ATTENTION_BACKENDS,
     NON_CAUSAL_DCP_MLA_BACKEND,
@@ -181,6 +185,37 @@ quantized caches, vLLM's ``QUANTIZED_DS_MLA_CACHE_FORMATS`` (0.34.0: its
 bf16 kernel returns every token's LSE and pads the gathered heads itself)."""
 
 
+def _collective_world(backend: str, topology: Topology, k: int) -> int:
+    """W: the ranks the group's collectives run over (none for K = 1, K
+    within a replica, else D), as the runtime binds them."""
+    from vllm_dcp_geometry.contract.attention_backends import (
+        collectives_within_replica,
+    )
+    from vllm_dcp_geometry.contract.collectives import (
+        REPLICA,
+        collective_world_size,
+    )
+
+    within = topology.partial_collectives == REPLICA and collectives_within_replica(
+        backend
+    )
+    return collective_world_size(
+        k, topology.decode_context_parallel_size, replica_collectives=within
+    )
+
+
+def kernel_shape_refusal(
+    group: CacheGroup, index: int, backend: str | None, topology: Topology, k: int
+) -> str | None:
+    """A shape rule of vLLM's kernels the group breaks (``kernel_shapes``)."""
+    if backend is None:
+        return None
+    name = kv_cache_group_name(group.layers, index)
+    return latent_row_refusal(group, name, backend) or combine_refusal(
+        group, name, _collective_world(backend, topology, k)
+    )
+
+
 def flashmla_sparse_refusal(
     group: CacheGroup, index: int, backend: str | None, topology: Topology, k: int
 ) -> str | None:
@@ -197,25 +232,13 @@ def flashmla_sparse_refusal(
         return None
     from vllm.v1.attention.backends.mla import flashmla_sparse
 
-    from vllm_dcp_geometry.contract.attention_backends import (
-        collectives_within_replica,
-    )
-    from vllm_dcp_geometry.contract.collectives import (
-        REPLICA,
-        collective_world_size,
-    )
-
     restricts_every_cache = on_installed_release(FLASHMLA_SPARSE_RESTRICTS_EVERY_CACHE)
     cache_dtype = group.spec_fields.get("cache_dtype_str")
     if not restricts_every_cache and (
         cache_dtype not in flashmla_sparse.QUANTIZED_DS_MLA_CACHE_FORMATS
     ):
         return None
-    dcp = topology.decode_context_parallel_size
-    within = topology.partial_collectives == REPLICA and collectives_within_replica(
-        backend
-    )
-    world = collective_world_size(k, dcp, replica_collectives=within)
+    world = _collective_world(backend, topology, k)
     heads = topology.heads_per_rank(group)
     if world == 1 or heads is None:
         return None
@@ -286,9 +309,10 @@ def group_attention(
             "attention_mode": "refused",
             "attention_refusal": refusal,
         }
+    k = spec.dcp_shard_count(dcp)
     sparse = flashmla_sparse_refusal(
-        group, index, backend, topology, spec.dcp_shard_count(dcp)
-    )
+        group, index, backend, topology, k
+    ) or kernel_shape_refusal(group, index, backend, topology, k)
     if sparse is not None:
         return {
             "layer_class": layer_class,

@@ -4,6 +4,11 @@
 start-up makes for the budget, holds exactly the target-context requests
 vLLM's rule predicts.
 
+The pool. ``vllm_pool`` is the pool start-up makes for a budget (its
+planner's groups, padding layers included, and sizing) with the blocks one
+``max_model_len`` request takes from it by vLLM's rule; ``capacity_check``
+runs the scheduler on the pools of the points ``plan --optimize`` names.
+
 The engine. ``simulate``'s ``build_engine`` builds the scheduler class
 vLLM's engine core picks for the config (``AsyncScheduler`` under vLLM's
 default async scheduling) over the pool's own ``KVCacheConfig``
@@ -56,9 +61,88 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
+from vllm_dcp_geometry.tooling.cli.plan.optimize_candidates import Choice, applied
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """vLLM's pool for a budget and the max-length requests its rule holds."""
+
+    num_blocks: int
+    blocks_per_request: int
+    kv_cache_config: Any
+    config: Any
+
+    @property
+    def requests(self) -> int:
+        # Every group's blocks come from one pool, less its null block.
+        return (self.num_blocks - 1) // self.blocks_per_request
+
+
+def vllm_pool(topology: Topology, backend_names: set[str], kv_bytes: int) -> Pool:
+    """Start-up's pool for ``kv_bytes`` per rank (vLLM's planner, padding
+    layers included, and its sizing) and the blocks one ``max_model_len``
+    request takes from it at its peak, summed over vLLM's groups
+    (``max_memory_usage_bytes`` per page, vLLM's concurrency rule)."""
+    from vllm_dcp_geometry.contract import cdiv
+    from vllm_dcp_geometry.tooling.cli.common.start_up_grouping import (
+        start_up_pool,
+    )
+
+    kv_cache_config, config = start_up_pool(topology, backend_names, kv_bytes)
+    per_request = sum(
+        cdiv(
+            g.kv_cache_spec.max_memory_usage_bytes(config),
+            g.kv_cache_spec.page_size_bytes,
+        )
+        for g in kv_cache_config.kv_cache_groups
+    )
+    return Pool(kv_cache_config.num_blocks, per_request, kv_cache_config, config)
+
+
+def capacity_check(
+    topology: Topology,
+    picked: Sequence[Choice],
+    points: dict[str, tuple[int, ...]],
+    pool_of: Any,
+) -> dict[str, Any]:
+    """vLLM's scheduler on each named point's pool (``pool_of(ks)``, a
+    ``Pool``): predicted and admitted requests per point. ``holds`` only
+    where every point whose pool start-up makes admits exactly the
+    prediction (at least it where the rule is a bound); one start-up's
+    planner refuses is named, not run."""
+    result: dict[str, Any] = {}
+    measured: dict[tuple[int, ...], dict[str, Any]] = {}
+    for label, ks in points.items():
+        if ks not in measured:
+            measured[ks] = _checked_point(topology, picked, ks, pool_of)
+        result[label] = measured[ks]
+    result["holds"] = all(e["agrees"] for e in measured.values() if "refused" not in e)
+    return result
+
+
+def _checked_point(
+    topology: Topology, picked: Sequence[Choice], ks: tuple[int, ...], pool_of: Any
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "shard_counts": {c.name: k for c, k in zip(picked, ks, strict=True)}
+    }
+    try:
+        pool = pool_of(ks)
+    except TopologyError as exc:
+        entry["refused"] = str(exc)
+        return entry
+    admission = scheduler_admission(applied(topology, picked, ks), pool)
+    return entry | {
+        "num_blocks": pool.num_blocks,
+        "blocks_per_request": pool.blocks_per_request,
+        "step_tokens": pool.config.scheduler_config.max_num_batched_tokens,
+        **admission.as_json(),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,34 +204,21 @@ def _is_recycling(spec: Any) -> bool:
     return hasattr(one, "max_admission_blocks_per_request")
 
 
-def scheduler_admission(topology: Topology, pool: Any) -> Admission:
+def scheduler_admission(topology: Topology, pool: Pool) -> Admission:
     """How many ``max_model_len`` requests vLLM's scheduler holds at once in
-    ``pool`` (an ``optimize.Pool``). One more than predicted is submitted;
-    with recycling groups, one more than the pool could hold were each of
-    their requests one block, so the count is never cut short by the
-    submissions (within ``max_num_seqs <= max_num_batched_tokens``)."""
-    from vllm_dcp_geometry.tooling import vllm_objects
-    from vllm_dcp_geometry.tooling.cli.common.noise import vllm_notes_held_back
+    ``pool``. One more than predicted is submitted; with recycling groups,
+    one more than the pool could hold were each of their requests one block,
+    so the count is never cut short by the submissions (within
+    ``max_num_seqs <= max_num_batched_tokens``)."""
     from vllm_dcp_geometry.tooling.cli.simulate.engine import (
         StandInModel,
-        build_engine,
         make_request,
-        model_directory,
-    )
-    from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
-        RequestPlan,
-        Workload,
     )
 
     groups = pool.kv_cache_config.kv_cache_groups
     recycling = [g for g in groups if _is_recycling(g.kv_cache_spec)]
     step_tokens = pool.config.scheduler_config.max_num_batched_tokens
-    smallest = pool.blocks_per_request - sum(
-        vllm_objects.pages_per_request(g.kv_cache_spec, pool.config) - 1
-        for g in recycling
-    )
-    bound = (pool.num_blocks - 1) // smallest if recycling else pool.requests
-    submitted = min(bound + 1, max(step_tokens, pool.requests + 1))
+    submitted = _submissions(pool, recycling)
     if submitted > step_tokens:
         # vLLM requires max_num_seqs <= max_num_batched_tokens.
         return Admission(
@@ -164,43 +235,12 @@ def scheduler_admission(topology: Topology, pool: Any) -> Admission:
             f"({step_tokens:,}) requests at once (max_num_seqs), fewer than "
             f"{submitted:,}",
         )
-    length = topology.max_model_len
-    workload = Workload(
-        name="capacity",
-        requests=tuple(
-            RequestPlan(f"capacity-{i}", length - 1, 1, 0) for i in range(submitted)
-        ),
-        step_tokens=step_tokens,
-        max_num_seqs=submitted,
-        enable_prefix_caching=False,
-        num_speculative_tokens=0,
-        acceptance=0.0,
-        seed=0,
-    )
-    with model_directory() as model_dir, vllm_notes_held_back():
-        engine = build_engine(
-            topology,
-            workload,
-            patched=True,
-            num_pages=None,
-            model_dir=model_dir,
-            kv_cache_config=pool.kv_cache_config,
-            as_served=True,
-        )
-    config = engine.vllm_config
-    # The rule read start-up's config; the scheduler must size by the same.
-    per_request = sum(
-        vllm_objects.pages_per_request(g.kv_cache_spec, config) for g in groups
-    )
-    if per_request != pool.blocks_per_request:
-        raise TopologyError(
-            f"--optimize: the scheduler's config gives {per_request:,} blocks per "
-            f"request by vLLM's rule, start-up's {pool.blocks_per_request:,}"
-        )
+    workload = _capacity_workload(topology.max_model_len, submitted, step_tokens)
+    engine = _engine_on(topology, workload, pool)
     scheduler = engine.scheduler
     for plan in workload.requests:
         scheduler.add_request(make_request(plan, engine))
-    in_flight = config.max_concurrent_batches
+    in_flight = engine.vllm_config.max_concurrent_batches
     steps, ending = _run_until_settled(
         scheduler,
         StandInModel(0, 0, 0.0, hold_prefilled=True),
@@ -226,6 +266,74 @@ def scheduler_admission(topology: Topology, pool: Any) -> Admission:
         if ending != "unsettled"
         else f"vLLM's scheduler did not settle ({4 * submitted:,} preemptions)",
     )
+
+
+def _submissions(pool: Pool, recycling: list[Any]) -> int:
+    # Were each recycling group's requests one block, the pool would hold
+    # ``bound``; one step's tokens cap ``max_num_seqs`` unless the prediction
+    # reaches them (then the scheduler is not run).
+    from vllm_dcp_geometry.tooling import vllm_objects
+
+    step_tokens = pool.config.scheduler_config.max_num_batched_tokens
+    smallest = pool.blocks_per_request - sum(
+        vllm_objects.pages_per_request(g.kv_cache_spec, pool.config) - 1
+        for g in recycling
+    )
+    bound = (pool.num_blocks - 1) // smallest if recycling else pool.requests
+    return min(bound + 1, max(step_tokens, pool.requests + 1))
+
+
+def _capacity_workload(length: int, submitted: int, step_tokens: int) -> Any:
+    """``submitted`` requests of the longest prompt vLLM admits, at once."""
+    from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
+        RequestPlan,
+        Workload,
+    )
+
+    return Workload(
+        name="capacity",
+        requests=tuple(
+            RequestPlan(f"capacity-{i}", length - 1, 1, 0) for i in range(submitted)
+        ),
+        step_tokens=step_tokens,
+        max_num_seqs=submitted,
+        enable_prefix_caching=False,
+        num_speculative_tokens=0,
+        acceptance=0.0,
+        seed=0,
+    )
+
+
+def _engine_on(topology: Topology, workload: Any, pool: Pool) -> Any:
+    """``simulate``'s engine over the pool's own ``KVCacheConfig``."""
+    from vllm_dcp_geometry.tooling import vllm_objects
+    from vllm_dcp_geometry.tooling.cli.common.noise import vllm_notes_held_back
+    from vllm_dcp_geometry.tooling.cli.simulate.engine import (
+        build_engine,
+        model_directory,
+    )
+
+    with model_directory() as model_dir, vllm_notes_held_back():
+        engine = build_engine(
+            topology,
+            workload,
+            patched=True,
+            num_pages=None,
+            model_dir=model_dir,
+            kv_cache_config=pool.kv_cache_config,
+            as_served=True,
+        )
+    # The rule read start-up's config; the scheduler must size by the same.
+    per_request = sum(
+        vllm_objects.pages_per_request(g.kv_cache_spec, engine.vllm_config)
+        for g in pool.kv_cache_config.kv_cache_groups
+    )
+    if per_request != pool.blocks_per_request:
+        raise TopologyError(
+            f"--optimize: the scheduler's config gives {per_request:,} blocks per "
+            f"request by vLLM's rule, start-up's {pool.blocks_per_request:,}"
+        )
+    return engine
 
 
 def _is_held(request: Any) -> bool:
@@ -265,41 +373,3 @@ def _run_until_settled(
         oldest = queue.pop()
         scheduler.update_from_output(oldest, model.output(oldest, scheduler))
     return steps, "unsettled"
-
-
-def admission_line(label: str, check: dict[str, Any]) -> str:
-    """One point's check in ``format_optimize``'s text (``check``: its
-    ``capacity_check`` entry); a failed one names both numbers."""
-    if "refused" in check:
-        return f"{label}: not checked, start-up refuses its pool: {check['refused']}"
-    predicted = check["predicted_requests"]
-    admitted = check["admitted_requests"]
-    line = (
-        f"{label}: {check['num_blocks']:,} blocks, "
-        f"{check['blocks_per_request']:,} per request: vLLM's rule {predicted:,}"
-    )
-    if admitted is None:
-        return f"{line}: MISMATCH, predicted {predicted:,}, but {check['not_run']}"
-    line += (
-        f", vLLM's scheduler held {admitted:,} of "
-        f"{check['submitted_requests']:,} at once"
-    )
-    preempted = ", ".join(f"{n:,}" for n in check["preempted_requests"])
-    if check["cycling"]:
-        line += (
-            f"; request {preempted} is admitted and preempted over and over "
-            "(vLLM's admission gate counts fewer blocks than its prefill takes)"
-        )
-    elif preempted:
-        line += f"; vLLM preempted request {preempted} when blocks ran out"
-    if check["agrees"] and admitted > predicted:
-        line += (
-            " (more: once prefilled, a sliding-window request holds its window "
-            "and last chunks, fewer blocks than the prefill peak the rule "
-            "reserves)"
-        )
-    if not check["agrees"]:
-        line += f": MISMATCH, predicted {predicted:,}, admitted {admitted:,}"
-        if check["not_run"]:
-            line += f" ({check['not_run']})"
-    return line

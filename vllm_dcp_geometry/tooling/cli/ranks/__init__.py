@@ -6,15 +6,15 @@
 processes on this machine (``run``; gloo on CPU, NCCL where D GPUs are
 visible), each initialising vLLM's real distributed state and loading the
 plugin through vLLM's own plugin loader (``worker``). Each builds the
-topology's MLA groups on vLLM's real layer, impl and builder (``group``, over
-``vllm_setup``'s objects), writes random
-K/V at the contract's slot mapping for the group's K, runs a decode step and
+topology's MLA groups on vLLM's real layer, impl and builder (the runner of
+the group's layer class, ``runners``, over ``vllm_setup``'s objects), writes
+random K/V at the contract's slot mapping for the group's K, runs a decode step and
 a chunked prefill over a context with vLLM's real collectives (partial groups
 within their K-rank replica groups, made by the same start-up code as
 ``vllm serve``'s workers; ``--partial-collectives dcp`` keeps them on the
 D-wide DCP group), and holds every rank's output and LSE to a float64
 single-device reference, counting the bytes each rank moves through the DCP
-and replica groups (``measuring``). Every group runs at its own shapes
+and replica groups (``measuring``, ``traffic``). Every group runs at its own shapes
 (``cases``: query heads per rank, latent and rope dims, dtype, block size,
 K, interleave); ``--scale N`` divides the query heads per rank by N where
 the operator asks, and the output says so. Partial groups' collectives go where the
@@ -50,13 +50,13 @@ from vllm_dcp_geometry.tooling.cli.common.noise import (
     vllm_notes_held_back,
 )
 from vllm_dcp_geometry.tooling.cli.common.status import EXIT_OK, CliError
-from vllm_dcp_geometry.tooling.cli.ranks.cases import RUNNERS
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_baseline, format_report
 from vllm_dcp_geometry.tooling.cli.ranks.run import (
     DEVICES,
     run_ranks,
     torchrun_environment,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.runners import RUNNERS
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
 from vllm_dcp_geometry.tooling.topology.limits import NON_NEGATIVE_INT32, IntRange
 
@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def backend_choices() -> list[str]:
-    """Every backend some runner runs (``cases.RUNNERS``)."""
+    """Every backend some runner runs (``runners.RUNNERS``)."""
     names = {name for runner in RUNNERS.values() for name in runner.backends}
     return sorted(names)
 

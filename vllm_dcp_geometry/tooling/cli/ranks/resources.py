@@ -5,11 +5,11 @@
 ``check_memory`` refuses, before any worker starts, a run whose D workers
 would not fit in the memory this machine has available: D x (vLLM and
 torch's ``WORKER_PEAK_RSS_BYTES`` plus the largest group's tensors at its
-shapes, ``group_bytes``; a DeepSeek-V3.2 layer's ``sparse_group_bytes``)
-against ``available_memory_bytes``. A run that does
-not fit would otherwise be stopped by the kernel's out-of-memory killer
-half-way through spawning; the refusal names the ``--scale`` that fits, if
-one does. ``how_it_died`` words a worker's exit status.
+shapes, its runner's ``worker_bytes``) against ``available_memory_bytes``.
+A run that does not fit would otherwise be stopped by the kernel's
+out-of-memory killer half-way through spawning; the refusal names the
+``--scale`` that fits, if one does. ``how_it_died`` words a worker's exit
+status.
 """
 
 from __future__ import annotations
@@ -19,17 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.tooling.cli.common.status import CliError
-from vllm_dcp_geometry.tooling.cli.ranks.cases import (
-    Shape,
-    SparsePair,
-    decode_requests,
-    prefill_requests,
-    run_shape,
-    sparse_decode_requests,
-)
-from vllm_dcp_geometry.tooling.mla_rank_run import REFERENCE_HEAD_CHUNK
+from vllm_dcp_geometry.tooling.cli.ranks.cases import BACKEND, layer_runner
 from vllm_dcp_geometry.tooling.topology import Topology
 
 WORKER_PEAK_RSS_BYTES = 1_197_676 * 1024
@@ -40,12 +31,12 @@ Linux machine as the largest ``ru_maxrss`` (1,197,676 KiB) of the workers of
 ``resource.getrusage(RUSAGE_CHILDREN)`` in the launching process. Those
 workers ran 2 query heads per rank at latent 256 + rope 64 in fp32 over
 contexts of a few hundred tokens, tensors of a few MB: this is vLLM's and
-torch's own. What a group's shapes add is ``group_bytes``."""
+torch's own. What a group's shapes add is its runner's ``worker_bytes``."""
 
 TRANSIENT_COPIES = 2
-"""``group_bytes`` counts each tensor a worker allocates for a group once;
-the dtype and device copies and the reference's intermediates (one of each
-size at a time) at most double that."""
+"""A runner's ``worker_bytes`` counts each tensor a worker allocates for a
+group once; the dtype and device copies and the reference's intermediates
+(one of each size at a time) at most double that."""
 
 MAX_SUGGESTED_SCALE = 64
 """The largest ``--scale`` a refusal looks for to fit (powers of two)."""
@@ -75,69 +66,6 @@ def _gb(size: int) -> str:
     return f"{size / 1e9:.1f} GB"
 
 
-def group_bytes(shape: Shape, world: int, block_size: int, shard_count: int) -> int:
-    """The bytes one worker allocates for one group at ``shape``, its
-    tensors counted once and then times ``TRANSIENT_COPIES``: the float64
-    ``kv_b_proj`` weight of all ``world * h`` heads and the rank's slice of
-    it in the dtype (twice: ``W_UK`` and ``W_UV``), the paged cache, vLLM's
-    chunked-prefill workspace (up to twice its rows under DCP), the float64
-    inputs of the larger phase and the reference's up-projected K and V of
-    the longest request, ``REFERENCE_HEAD_CHUNK`` heads at a time."""
-    e, h = shape.dtype_bytes, shape.heads_per_rank
-    heads = world * h
-    row = shape.kv_lora_rank + shape.rope_dim
-    up = shape.nope_dim + shape.v_head_dim
-    weight = (heads * 8 + 2 * h * e) * up * shape.kv_lora_rank
-    phases = (
-        decode_requests(block_size, shard_count),
-        prefill_requests(block_size, shard_count),
-    )
-    width = cdiv(shape.max_model_len, block_size * shard_count)
-    cache = (width * max(len(p) for p in phases) + 1) * block_size * row * e
-    workspace_rows = min(
-        max(8 * shape.max_model_len, 4 * shape.max_num_seqs * block_size), 64 * 1024
-    )
-    workspace = 2 * workspace_rows * row * e
-    query = heads * (shape.nope_dim + shape.rope_dim)
-    inputs = 8 * max(sum((c + n) * row + n * query for c, n in p) for p in phases)
-    longest = max(c + n for p in phases for c, n in p)
-    chunk = min(heads, REFERENCE_HEAD_CHUNK)
-    reference = longest * chunk * (up + shape.nope_dim + shape.rope_dim) * 8
-    return TRANSIENT_COPIES * (weight + cache + workspace + inputs + reference)
-
-
-def sparse_group_bytes(
-    shape: Shape, world: int, block_size: int, shard_count: int, topk: int
-) -> int:
-    """The bytes one worker allocates for a DeepSeek-V3.2 layer (both of its
-    groups, run together) at ``shape``, counted as ``group_bytes`` counts:
-    the ``kv_b_proj`` weights, the paged latent cache, the sparse builder's
-    chunked-prefill workspace (vLLM sizes it to at most ``max_num_seqs``
-    top-k rows; up to twice under DCP), the float64 latent rows (and their
-    fp8_ds_mla copy) and queries, and the reference's selected rows of one
-    token, then times ``TRANSIENT_COPIES``."""
-    e, h = shape.dtype_bytes, shape.heads_per_rank
-    heads = world * h
-    row = shape.kv_lora_rank + shape.rope_dim
-    up = shape.nope_dim + shape.v_head_dim
-    weight = (heads * 8 + 2 * h * e) * up * shape.kv_lora_rank
-    requests = sparse_decode_requests(block_size, shard_count, topk)
-    width = cdiv(shape.max_model_len, block_size * shard_count)
-    cache = (width * len(requests) + 1) * block_size * row * e
-    workspace_rows = min(
-        max(8 * shape.max_model_len, 4 * shape.max_num_seqs * block_size),
-        64 * 1024,
-        shape.max_num_seqs * topk,
-    )
-    workspace = 2 * workspace_rows * row * e
-    latents = 2 * 8 * sum(c + n for c, n in requests) * row
-    queries = 8 * len(requests) * heads * row
-    reference = 8 * topk * (row + heads)
-    return TRANSIENT_COPIES * (
-        weight + cache + workspace + latents + queries + reference
-    )
-
-
 def _largest_group(
     topology: Topology, runnable: list[dict[str, Any]], scale: int
 ) -> tuple[int, str]:
@@ -145,16 +73,13 @@ def _largest_group(
     dcp = topology.decode_context_parallel_size
     sized = []
     for g in runnable:
-        found = run_shape(topology, topology.groups[g["index"]], scale)
-        assert not isinstance(found, str), found
-        shape, pair = found
-        if isinstance(pair, SparsePair):
-            size = sparse_group_bytes(
-                shape, dcp, g["block_size"], g["shard_count"], pair.topk
-            )
-        else:
-            size = group_bytes(shape, dcp, g["block_size"], g["shard_count"])
-        sized.append((size, g["name"], shape))
+        group = topology.groups[g["index"]]
+        runner = layer_runner(group)
+        assert runner is not None, g["name"]
+        case = runner.plan(topology, group, scale, BACKEND, None)
+        assert not isinstance(case, str), case
+        size = runner.worker_bytes(case, dcp, g["block_size"], g["shard_count"])
+        sized.append((size, g["name"], case.shape))
     size, name, shape = max(sized, key=lambda item: item[0])
     return size, (
         f"group {name!r} at {shape.heads_per_rank} heads x {shape.kv_lora_rank}"

@@ -298,6 +298,47 @@ def _stop(procs: list[Any]) -> None:
             proc.wait()
 
 
+def _check_plugin_loaded(results: list[dict[str, Any]], *, patched: bool) -> None:
+    """Refuse (``CliError``) workers whose plugin loader did not do as the
+    run asked (a patched run's must load the plugin, an unpatched one's not)."""
+    if any(r["patched"] != patched for r in results):
+        raise CliError(
+            "a worker's vLLM plugin loader "
+            + ("did not load" if patched else "loaded")
+            + " the plugin (is the package installed, or VLLM_PLUGINS set?)"
+        )
+
+
+def _planned(
+    topology: Topology,
+    *,
+    device: str,
+    torchrun: bool,
+    cuda_graph: bool,
+    scale: int,
+    partial_collectives: str,
+    backend: str,
+    dtype: str | None,
+) -> tuple[bool, list[dict[str, Any]]]:
+    """Whether the ranks run on CUDA, and every group's plan
+    (``cases.plan_groups``); refuses (``CliError``) a device the machine
+    cannot give, CUDA graphs without one, and a plan with no group to run."""
+    gpu = runs_on_gpu(device, topology.decode_context_parallel_size, torchrun=torchrun)
+    if cuda_graph and not gpu:
+        raise CliError("ranks --cuda-graph captures CUDA graphs: it needs a GPU run")
+    groups = plan_groups(
+        topology,
+        gpu=gpu,
+        scale=scale,
+        partial_collectives=partial_collectives,
+        backend=backend,
+        dtype=dtype,
+    )
+    if not any(g["run"] for g in groups):
+        raise CliError(nothing_to_run(topology, groups))
+    return gpu, groups
+
+
 def run_ranks(
     topology: Topology,
     *,
@@ -326,19 +367,16 @@ def run_ranks(
     where = partial_collectives or topology.partial_collectives
     dcp = topology.decode_context_parallel_size
     torchrun = torchrun_environment()
-    gpu = runs_on_gpu(device, dcp, torchrun=torchrun is not None)
-    if cuda_graph and not gpu:
-        raise CliError("ranks --cuda-graph captures CUDA graphs: it needs a GPU run")
-    groups = plan_groups(
+    gpu, groups = _planned(
         topology,
-        gpu=gpu,
+        device=device,
+        torchrun=torchrun is not None,
+        cuda_graph=cuda_graph,
         scale=scale,
         partial_collectives=where,
         backend=backend,
         dtype=dtype,
     )
-    if not any(g["run"] for g in groups):
-        raise CliError(nothing_to_run(topology, groups))
     if torchrun is not None:
         gathered, elapsed = run_in_torchrun(
             torchrun,
@@ -366,12 +404,7 @@ def run_ranks(
             partial_collectives=where,
             cuda_graph=cuda_graph,
         )
-    if any(r["patched"] != patched for r in results):
-        raise CliError(
-            "a worker's vLLM plugin loader "
-            + ("did not load" if patched else "loaded")
-            + " the plugin (is the package installed, or VLLM_PLUGINS set?)"
-        )
+    _check_plugin_loaded(results, patched=patched)
     return merge(
         topology,
         groups,

@@ -12,14 +12,14 @@ TP = DCP = D), installs its meters (``measuring``: torch's flight recorder sized
 the first process group, so every collective is recorded), makes the replica groups
 with the very function every ``vllm serve`` worker calls
 (``replica_groups.make_replica_groups``, on the config such a worker holds:
-``vllm_setup.serving_config``), then runs every MLA group of the plan at
-its own shapes (``group.run_group``) with vLLM's real collectives over the real DCP
-``GroupCoordinator``. The result file holds each group's errors and bytes.
+``vllm_setup.serving_config``), then runs every group of the plan at its
+own shapes (its runner's ``run_group``) with vLLM's real collectives over
+the real DCP ``GroupCoordinator``. The result file holds each group's errors
+and bytes.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -30,15 +30,16 @@ from vllm_dcp_geometry.runtime.replica_groups import (
     destroy_replica_groups,
     make_replica_groups,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.cases import RUNNERS_BY_NAME, Shape
-from vllm_dcp_geometry.tooling.cli.ranks.group import (
-    PhaseCrashed,
-    PlannedGroup,
-    RankRun,
-)
+from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import (
     enable_flight_recorder,
     install_meters,
+)
+from vllm_dcp_geometry.tooling.cli.ranks.runners import RUNNERS_BY_NAME
+from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
+    PhaseCrashed,
+    PlannedGroup,
+    RankRun,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     model_dir,
@@ -96,11 +97,11 @@ def _crash(exc: BaseException) -> str:
 
 
 def run_planned(entry: dict[str, Any], run: RankRun) -> dict[str, Any]:
-    """Run one planned group with the runner of its layer class (its worker
-    module's ``run_group``)."""
-    module = importlib.import_module(RUNNERS_BY_NAME[entry["runner"]].worker_module)
+    """Run one planned group with the runner of its layer class (its
+    ``run_group``)."""
+    runner = RUNNERS_BY_NAME[entry["runner"]]
     try:
-        return dict(module.run_group(PlannedGroup.from_plan(entry), run))
+        return dict(runner.run_group(PlannedGroup.from_plan(entry), run))
     except PhaseCrashed as exc:
         # A built layer raised in a phase (0.34.0's unpatched replicated
         # MLA draft asserts in its chunked prefill): what it measured before.

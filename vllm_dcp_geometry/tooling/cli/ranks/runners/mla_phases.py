@@ -1,157 +1,56 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""One MLA group of the plan on one ``ranks`` worker: built, run, held to the
-float64 reference.
+"""One dense MLA group on one ``ranks`` worker, whatever layer class builds
+it (vLLM's ``MLAAttention``: ``runners.mla``; Kimi-K3's: ``runners.kimi_k3``):
+built, run, held to the float64 reference.
 
-``set_up_group`` builds the rank's real ``MLAAttention`` layer and its builder
-through ``AttentionGroup.create_metadata_builders``; ``run_phase`` writes the
-rank's shard of random K/V at the contract's slot mapping for the group's K
-(``write_cache``, through vLLM's KV-write op) and runs
-``MLAAttention.forward_impl`` once, a decode step or a chunked prefill over a
-context, counting the collectives (``measuring.Traffic``) and recording the
-LSEs the attention hands on; the output and LSEs are compared with
-``mla_rank_run.mla_reference``.
-
-Random inputs are the same on every rank (one seed per group and phase) and
-hold values of the group's dtype (drawn in float64, rounded to the dtype):
-the reference is float64 over exactly what the ranks hold, so what it
-measures is the attention's own rounding, not the inputs'. vLLM and torch
-are imported inside the functions.
+``set_up_group`` builds the rank's layer (the runner's ``LayerBuilder``) and
+its builder through ``AttentionGroup.create_metadata_builders``;
+``run_phase`` writes the rank's shard of random K/V at the contract's slot
+mapping for the group's K (``inputs.write_cache``, through vLLM's KV-write
+op) and runs the layer once (the runner's ``Attend``), a decode step or a
+chunked prefill over a context, counting the collectives
+(``traffic.Traffic``) and recording the LSEs the attention hands on; the
+output and LSEs are compared with ``mla_rank_run.mla_reference``. vLLM and
+torch are imported inside the functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
+from vllm_dcp_geometry.contract import GroupGeometry, cdiv
 from vllm_dcp_geometry.tooling.cli.ranks.cases import BACKEND, Shape, phase_requests
-from vllm_dcp_geometry.tooling.cli.ranks.measuring import Meters, record_local_lse_of
+from vllm_dcp_geometry.tooling.cli.ranks.measuring import record_local_lse_of
+from vllm_dcp_geometry.tooling.cli.ranks.runners.inputs import (
+    Inputs,
+    Requests,
+    ShardLayout,
+    common_metadata,
+    group_slots,
+    make_inputs,
+    up_projection_weight,
+    write_cache,
+)
+from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
+    TIMED_STEPS,
+    PhaseCrashed,
+    PlannedGroup,
+    RankRun,
+)
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     LAYER,
-    build_layer,
     model_dir,
     vllm_config,
 )
 from vllm_dcp_geometry.tooling.mla_rank_run import magnitude, max_error, mla_reference
 
-Requests = list[tuple[int, int]]
-"""``(context, new)`` tokens per request."""
-
 Attend = Callable[..., None]
 """How a group's layer attends one batch on a rank:
 ``attend(set_up, q, kv_c, k_pe, cache, metadata, slots, output)``, writing
-``output`` (``forward_impl_attend`` for vLLM's ``MLAAttention``)."""
-
-TIMED_STEPS = 3
-"""Decode steps timed per group after the counted one; the median is
-reported."""
-
-
-@dataclass(frozen=True)
-class RankRun:
-    """What every group this worker runs shares, fixed once its distributed
-    state exists."""
-
-    world: int
-    rank: int
-    device: str
-    seed: int
-    patched: bool
-    partial_collectives: str | None
-    """Where partial groups run their collectives; None when unpatched."""
-    meters: Meters
-    cuda_graph: bool = False
-    """Also capture each group's decode step in a CUDA graph and replay it
-    (``--cuda-graph``; a GPU run only)."""
-
-
-@dataclass(frozen=True)
-class PlannedGroup:
-    """One MLA group of the plan, as the launcher wrote it
-    (``cases.plan_groups``; only the fields a worker reads), with the shapes
-    it runs at."""
-
-    index: int
-    name: str
-    block_size: int
-    shard_count: int
-    interleave: int
-    dcp_sharded: bool
-    draft: bool
-    dcp_kv_shard_count: int | None
-    non_causal: bool
-    """The layer decodes a multi-token block non-causally (a DSpark draft)."""
-    shape: Shape
-    sparse_latent: str | None = None
-    """A DeepSeek-V3.2 layer's latent cache group (both its groups run
-    together, ``sparse_mla``); None for other layer classes."""
-    sparse_indexer: str | None = None
-    """That layer's indexer cache group."""
-    indexer_topk: int | None = None
-    """The top-k its indexer selects."""
-
-    @classmethod
-    def from_plan(cls, entry: dict[str, Any]) -> PlannedGroup:
-        # Fields with a default may be absent (a plan written before them).
-        values = {
-            f.name: entry[f.name]
-            for f in fields(cls)
-            if f.name in entry or f.default is MISSING
-        }
-        return cls(**{**values, "shape": Shape(**entry["shape"])})
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Where a rank's shard of a group's KV goes: the group's block size, K
-    and interleave, and the rank's shard (``GroupGeometry.shard``)."""
-
-    block_size: int
-    shard_count: int
-    interleave: int
-    shard: int
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """Float64 inputs of one forward, identical on every rank (one seed)."""
-
-    requests: Requests
-    kv_c: list[Any]
-    k_pe: list[Any]
-    q: Any
-    rows: list[Any]
-    causal: bool = True
-    """False: every new token of a request attends all of its positions."""
-
-
-def make_inputs(
-    requests: Requests,
-    weight_heads: int,
-    shape: Shape,
-    num_blocks: int,
-    width: int,
-    seed: int,
-    causal: bool = True,
-) -> Inputs:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, shape.dtype)
-
-    def rand(*size: int) -> Any:
-        drawn = torch.randn(*size, generator=gen, dtype=torch.float64)
-        return drawn.to(dtype).double()
-
-    kv_c = [rand(c + n, shape.kv_lora_rank) for c, n in requests]
-    k_pe = [rand(c + n, shape.rope_dim) for c, n in requests]
-    tokens = sum(n for _, n in requests)
-    q = rand(tokens, weight_heads, shape.nope_dim + shape.rope_dim)
-    blocks = torch.randperm(num_blocks, generator=gen)
-    rows = [blocks[i * width : (i + 1) * width] for i in range(len(requests))]
-    return Inputs(list(requests), kv_c, k_pe, q, rows, causal)
+``output`` (``runners.mla.forward_impl_attend`` for vLLM's ``MLAAttention``)."""
 
 
 def group_spec(group: PlannedGroup, shape: Shape, patched: bool) -> Any:
@@ -174,79 +73,6 @@ def group_spec(group: PlannedGroup, shape: Shape, patched: bool) -> Any:
     )
 
 
-def group_slots(
-    inputs: Inputs, layout: ShardLayout, positions: Callable[[int, int], range]
-) -> list[Any]:
-    """Per request, the contract's slot of each position in ``positions(c,
-    n)`` on the layout's shard (-1 where another shard owns it)."""
-    return [
-        reference_slot_mapping(
-            positions(context, new),
-            inputs.rows[i],
-            block_size=layout.block_size,
-            shard_count=layout.shard_count,
-            interleave_size=layout.interleave,
-            shard=layout.shard,
-        )
-        for i, (context, new) in enumerate(inputs.requests)
-    ]
-
-
-def write_cache(
-    inputs: Inputs, layout: ShardLayout, shape: Shape, num_blocks: int, device: str
-) -> Any:
-    """The rank's paged cache with its shard of every position, written by
-    vLLM's KV-write op (``concat_and_cache_mla``) at the contract's slots."""
-    import torch
-    import vllm._custom_ops as ops
-
-    dtype = getattr(torch, shape.dtype)
-    cache = torch.zeros(
-        num_blocks, layout.block_size, shape.kv_lora_rank + shape.rope_dim
-    )
-    cache = cache.to(device, dtype)
-    slots = group_slots(inputs, layout, lambda c, n: range(c + n))
-    for i, row_slots in enumerate(slots):
-        ops.concat_and_cache_mla(
-            inputs.kv_c[i].to(device, dtype),
-            inputs.k_pe[i].to(device, dtype),
-            cache,
-            torch.as_tensor(row_slots, device=device),
-            "auto",
-            torch.ones((), device=device),
-        )
-    return cache
-
-
-def common_metadata(inputs: Inputs, interleave: int, run: RankRun, slots: Any) -> Any:
-    """The runner's ``CommonAttentionMetadata`` (vLLM's global (D, r) local
-    lengths, as both model runners compute them)."""
-    import torch
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
-
-    requests, device = inputs.requests, run.device
-    seq_cpu = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
-    query = torch.tensor([n for _, n in requests], dtype=torch.int32)
-    starts_cpu = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    starts_cpu[1:] = query.cumsum(0)
-    seq = seq_cpu.to(device)
-    return CommonAttentionMetadata(
-        query_start_loc=starts_cpu.to(device),
-        query_start_loc_cpu=starts_cpu,
-        seq_lens=seq,
-        num_reqs=len(requests),
-        num_actual_tokens=int(query.sum()),
-        max_query_len=int(query.max()),
-        max_seq_len=int(seq_cpu.max()),
-        block_table_tensor=torch.stack(inputs.rows).to(device, torch.int32),
-        slot_mapping=slots.to(device),
-        causal=inputs.causal,
-        dcp_local_seq_lens=get_dcp_local_seq_lens(seq, run.world, run.rank, interleave),
-        seq_lens_cpu_upper_bound=seq_cpu,
-    )
-
-
 @dataclass(frozen=True)
 class GroupSetUp:
     """One group built on this rank: its layout, ``kv_b_proj`` weight (all
@@ -266,21 +92,6 @@ class GroupSetUp:
     num_blocks: int
 
 
-def forward_impl_attend(
-    set_up: GroupSetUp,
-    q: Any,
-    kv_c: Any,
-    k_pe: Any,
-    cache: Any,
-    metadata: Any,
-    slots: Any,
-    output: Any,
-) -> None:
-    """``MLAAttention.forward_impl``: the new tokens' latents are written by
-    the caller's cache (the runner's KV write runs before the layer)."""
-    set_up.layer.forward_impl(q, kv_c, k_pe, cache, metadata, output=output)
-
-
 LayerBuilder = Callable[[Any, Any, int, Shape, str, PlannedGroup], tuple[Any, Any]]
 """``build(config, weight, rank, shape, device, group) -> (layer, backend)``:
 the rank's layer of the group's class, registered in the config's forward
@@ -288,37 +99,11 @@ context under ``LAYER``, with its TP slice of the float64 ``kv_b_proj``
 weight, processed."""
 
 
-def build_mla_attention(
-    config: Any, weight: Any, rank: int, shape: Shape, device: str, group: PlannedGroup
-) -> tuple[Any, Any]:
-    """vLLM's generic ``MLAAttention`` (``vllm_setup.build_layer``)."""
-    return build_layer(config, weight, rank, shape, device)
-
-
-def up_projection_weight(group: PlannedGroup, run: RankRun) -> Any:
-    """The ``kv_b_proj`` weight of all D x h heads, the same on every rank
-    (seeded by the run and the group), held in float64 at values the group's
-    dtype represents, so the layer and the reference multiply the same."""
-    import torch
-
-    shape = group.shape
-    heads = run.world * shape.heads_per_rank
-    gen = torch.Generator().manual_seed(run.seed + 7919 * group.index)
-    weight = torch.randn(
-        heads * (shape.nope_dim + shape.v_head_dim),
-        shape.kv_lora_rank,
-        generator=gen,
-        dtype=torch.float64,
-    )
-    weight = (weight * shape.kv_lora_rank**-0.5).to(getattr(torch, shape.dtype))
-    return weight.double()
-
-
 def set_up_group(
     group: PlannedGroup,
     run: RankRun,
-    build: LayerBuilder = build_mla_attention,
-    attend: Attend = forward_impl_attend,
+    build: LayerBuilder,
+    attend: Attend,
 ) -> GroupSetUp:
     """The rank's layer (made by ``build``) and builder for ``group``, over a
     config with the group's block size and interleave; ``attend`` runs the
@@ -552,16 +337,6 @@ def run_phase(
     return report
 
 
-class PhaseCrashed(Exception):
-    """A phase of a built group raised (its ``__cause__``): what the group
-    had measured before it (``ran``: at least its layer class and the world
-    its impl attends over) and the phase."""
-
-    def __init__(self, ran: dict[str, Any], phase: str) -> None:
-        super().__init__(phase)
-        self.ran, self.phase = ran, phase
-
-
 def run_set_up(set_up: GroupSetUp, run: RankRun) -> dict[str, Any]:
     """Run every phase of a group built on this rank; its errors and
     traffic."""
@@ -577,8 +352,3 @@ def run_set_up(set_up: GroupSetUp, run: RankRun) -> dict[str, Any]:
         except Exception as exc:
             raise PhaseCrashed(report, phase) from exc
     return report
-
-
-def run_group(group: PlannedGroup, run: RankRun) -> dict[str, Any]:
-    """Build and run one group of vLLM's ``MLAAttention`` on this rank."""
-    return run_set_up(set_up_group(group, run), run)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""One group of Kimi-K3's own MLA layer on one ``ranks`` worker.
+"""The runner of Kimi-K3's own MLA layer: one group of it on one ``ranks``
+worker.
 
 The layer is vLLM's ``vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention``
 made by its own constructor (Kimi-Linear's layout: full-rank query and KV
@@ -19,12 +20,13 @@ name): the fused epilogues write the new tokens' latents into the cache (the
 runner leaves their slots zero, so a missing write shows), the decode path
 gathers queries and combines LSEs through the manager the plugin bound (the
 replica's for a partial group), the prefill path runs the layer's chunked
-context. On a CPU its fused CUDA epilogues are ``cpu_stand_ins``'s
+context. On a CPU its fused CUDA epilogues are ``kimi_k3_stand_ins``'s
 (``kimi_k3_fused_op_stand_ins``) and the ``cpu_sdpa`` backend is told not to
 offer ``out`` to the layer's DCP1 context loop (it asserts on one).
 
-The reference, the traffic formula and the tolerance are the generic MLA
-group's (``group``): the layer computes the same attention.
+The planning, the phases, the reference, the traffic formula and the
+tolerance are the generic MLA group's (``mla_cases``, ``mla_phases``,
+``verdict.measure_dense``): the layer computes the same attention.
 """
 
 from __future__ import annotations
@@ -36,14 +38,24 @@ from typing import Any
 from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, verify_symbol
 from vllm_dcp_geometry.runtime.upstream_symbols import require_global_call
 from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
-from vllm_dcp_geometry.tooling.cli.ranks.group import (
-    GroupSetUp,
+from vllm_dcp_geometry.tooling.cli.ranks.measuring import record_context_lse_in
+from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
+    LayerRunner,
     PlannedGroup,
     RankRun,
+)
+from vllm_dcp_geometry.tooling.cli.ranks.runners.mla_cases import (
+    DENSE_SPEC_VALUES,
+    dense_case,
+    dense_worker_bytes,
+    mla_shape_refused,
+)
+from vllm_dcp_geometry.tooling.cli.ranks.runners.mla_phases import (
+    GroupSetUp,
     run_set_up,
     set_up_group,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.measuring import record_context_lse_in
+from vllm_dcp_geometry.tooling.cli.ranks.verdict import measure_dense
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import LAYER, run_backend
 from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced
 from vllm_dcp_geometry.tooling.vllm_release import process_weights_after_loading
@@ -143,7 +155,7 @@ def _cpu_stand_ins(device: str) -> Iterator[None]:
         CPUSDPAMLAPrefillBackend,
     )
 
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import kimi_k3_fused_op_stand_ins
+    from vllm_dcp_geometry.tooling.kimi_k3_stand_ins import kimi_k3_fused_op_stand_ins
 
     with (
         kimi_k3_fused_op_stand_ins(),
@@ -187,13 +199,25 @@ def run_group(group: PlannedGroup, run: RankRun) -> dict[str, Any]:
     from vllm.models.kimi_k3.nvidia import mla as kimi_mla
 
     record_context_lse_in(kimi_mla, run.meters.lse)
-    set_up = set_up_group(group, run, build=build_kimi_layer, attend=kimi_attend)
+    set_up = set_up_group(group, run, build_kimi_layer, kimi_attend)
     report = run_set_up(set_up, run)
     if run.device == "cpu":
-        from vllm_dcp_geometry.tooling.cpu_stand_ins import KIMI_K3_FUSED_OPS
+        from vllm_dcp_geometry.tooling.kimi_k3_stand_ins import KIMI_K3_FUSED_OPS
 
         report["stand_ins"] = [
             *(f"torch.ops._C.{name}" for name in KIMI_K3_FUSED_OPS),
             f"{CPU_SDPA}.CPUSDPAMLAPrefillBackend.supports_out (False)",
         ]
     return report
+
+
+RUNNER = LayerRunner(
+    "kimi_k3",
+    {**DENSE_SPEC_VALUES, "non_causal_multi_token_decode": (False, True)},
+    plan=dense_case,
+    refuse_shape=mla_shape_refused,
+    worker_bytes=dense_worker_bytes,
+    run_group=run_group,
+    measure=measure_dense,
+)
+"""Kimi-K3's layer also decodes a DSpark draft's block non-causally."""
