@@ -268,6 +268,7 @@ def test_partial_group_traffic_within_its_replica_versus_the_dcp_group(
 
 
 @pytest.mark.slow
+@pytest.mark.unpatched_baseline
 def test_four_ranks_unpatched_wrong_for_every_k_below_d() -> None:
     """The unpatched run alone (``ranks --baseline`` runs it after the
     patched one): every group with K < D wrong (or crashed), K = D right,

@@ -245,6 +245,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.unpatched_baseline
 def test_unpatched_vllm_reads_kimi_k3_replicated_and_partial_wrongly() -> None:
     """vLLM 0.33.0 alone runs the layer on its D-wide path whatever the
     cache holds: replicated and partial caches come out wrong, no error; its

@@ -111,6 +111,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.unpatched_baseline
 def test_unpatched_vllm_reads_replicated_and_partial_mla_wrongly() -> None:
     """vLLM 0.33.0 reads an MLA cache with K = 1 or K = 2 at D = 4 as if it
     were sharded over D: decode and prefill-context outputs are wrong, with

@@ -170,6 +170,7 @@ def test_every_rank_selects_the_single_device_topk(
         assert sorted(calls.selector_calls) == list(range(dcp))
 
 
+@pytest.mark.unpatched_baseline
 def test_unpatched_vllm_counts_replicas_twice() -> None:
     """The same selection in a fresh unpatched process: with D=4 and K=2,
     each shard's candidates arrive twice and displace real tokens (vLLM
