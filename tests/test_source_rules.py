@@ -213,7 +213,9 @@ def test_a_long_module_or_function_fails(tmp_path: Path, monkeypatch) -> None:
         # The decorator counts: limit + 1 lines from it to the last statement.
         where.write_text(long_function)
         assert check.main(["sizes", str(where)]) == 1
-        assert any("function long_one is 81 lines" in p for p in check.size_problems(where))
+        assert any(
+            "function long_one is 81 lines" in p for p in check.size_problems(where)
+        )
         where.write_text(long_function.replace("@staticmethod\n", ""))
         assert check.main(["sizes", str(where)]) == 0
         where.write_text(HEADER + "x = 1\n" * (check.MAX_MODULE_LINES - 1))
