@@ -31,6 +31,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -72,6 +73,9 @@ __all__ = [
 ]
 
 
+_ADDRESS = re.compile(r"at 0x[0-9a-fA-F]+")
+
+
 def _profile_once(run: Callable[[], Any]) -> dict[str, Any]:
     """One more repeat under cProfile: where the time goes, and how much of
     it is this plugin's own code."""
@@ -94,8 +98,10 @@ def _profile_once(run: Callable[[], Any]) -> dict[str, Any]:
     # What ran, outside this plugin: (function, calls) over the whole repeat.
     # Equal digests on both sides mean the same vLLM code ran the same number
     # of times, patched or not.
+    # A builtin's name can carry its object's address ("__new__ of type
+    # object at 0x7f..."), which differs between processes: not what ran.
     calls = sorted(
-        (f"{Path(f).name}:{line}({name})", n)
+        (f"{Path(f).name}:{line}({_ADDRESS.sub('at 0x', name)})", n)
         for (f, line, name), (_, n, _, _, _) in entries.items()
         if "vllm_dcp_geometry" not in f
     )
