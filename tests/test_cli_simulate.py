@@ -50,18 +50,19 @@ JSON_KEYS = (
     "preemptions",
     "prefix_hit_tokens",
     "draft_tokens",
+    "events",
+    "missing_events",
 )
-MIXED = {"requests": 32, "step_tokens": 1024, "num_pages": 1500}
-"""Chunks short enough that shared prefixes are cached at chunk ends, and a
-pool of about three max-length requests: vLLM admits a request only when its
-whole prompt fits, so it is the decode growth of the admitted ones that makes
-the scheduler preempt (at D = 1, 2 and 4 alike with this seed)."""
+MIXED = {"requests": 32, "step_tokens": 1024}
+"""The default pool, which the wave's prompts fill (at most 1,024 tokens per
+step keeps them at 511 tokens): vLLM admits a request only when its whole
+prompt fits, so the wave's first decode step into a new block preempts."""
 
 
 LIGHT = {"requests": 12, "step_tokens": 1024}
 """A lighter mixed workload for the in-process runs, whose sampled steps
-also run vLLM's kernels under the interpreter (at D = 4 it still preempts
-once with this seed)."""
+also run vLLM's kernels under the interpreter; it still preempts, hits the
+prefix cache and accepts drafts at every D."""
 
 
 def _simulate(dcp: int, runner: str, workload: str, **options) -> dict:

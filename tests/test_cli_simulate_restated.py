@@ -168,7 +168,6 @@ def test_v1_bookkeeping_matches_update_states(monkeypatch, dcp):
             workload="mixed",
             progress=False,
             on_step=on_step,
-            num_pages=1500 if dcp == 1 else None,
             **MIXED,
         ),
     )

@@ -45,10 +45,11 @@ from vllm_dcp_geometry.tooling.cli.simulate.report import (
 )
 from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
 from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
-    MIXED_MAX_PROMPT,
+    MIXED_MAX_OUTPUT,
     MIXED_REQUESTS,
     RUNNERS,
     WORKLOADS,
+    mixed_shape,
 )
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
 from vllm_dcp_geometry.tooling.topology.limits import NON_NEGATIVE_INT32, POSITIVE_INT32
@@ -77,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         tokens="replay length (default: the profile's, else max_model_len)",
         step_tokens="the scheduler's token budget per step (max_num_batched_tokens)",
         num_pages="pool size in pages (default: replay, one max-length request "
-        "+ null page; mixed, small enough to preempt)",
+        "+ null page; mixed, what the wave's prompts hold, so it must preempt)",
         baseline="also simulate on unpatched vLLM (fresh process)",
     )
     parser.add_argument(
@@ -92,8 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=WORKLOADS,
         default="replay",
         help="replay: the profile's long request (default); "
-        "mixed: many requests, prefix caching, preemption, "
-        "speculative decoding",
+        "mixed: many requests shaped by the profile's block sizes that must "
+        "preempt, hit the prefix cache and accept drafts (exit 1 if one "
+        "never happens)",
     )
     parser.add_argument(
         "--requests",
@@ -122,7 +124,9 @@ def check_inputs(topology: Topology, args: argparse.Namespace) -> int:
     else:
         if args.tokens is not None:
             raise TopologyError("--tokens applies to --workload replay only")
-        work = (args.requests or MIXED_REQUESTS) * MIXED_MAX_PROMPT
+        count = args.requests or MIXED_REQUESTS
+        shape = mixed_shape(topology, args.step_tokens, count)
+        work = count * (shape.longest_prompt + MIXED_MAX_OUTPUT)
     slot_groups = sum(1 for g in topology.groups if g.is_attention)
     checked = work * topology.decode_context_parallel_size * max(slot_groups, 1)
     if checked > SIMULATE_MAX_RANK_TOKENS:

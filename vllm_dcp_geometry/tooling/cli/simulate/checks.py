@@ -112,13 +112,18 @@ class Checker:
                 owners[owners == serial] = 0
             self.own.forget(req_id)
 
-    def _own_stamp(self, req_id: str, group: GroupInfo) -> int:
-        """Mark the request's own blocks of ``group``; the mark's value."""
+    def _own_ids(self, req_id: str, group: GroupInfo) -> np.ndarray:
+        """The request's own blocks of ``group``; those it dropped since last
+        asked (a sliding window's) are no longer its."""
         ids, dropped = self.own.ids(req_id, group.index)
         if dropped.size and group.index in self.writer:
             owners = self.writer[group.index][:, dropped]
             owners[owners == self.serial(req_id)] = 0
             self.writer[group.index][:, dropped] = owners
+        return ids
+
+    def _stamp(self, ids: np.ndarray) -> int:
+        """Mark blocks ``ids`` (one request's own); the mark's value."""
         self.stamp_value += 1
         self.stamp[ids] = self.stamp_value
         return self.stamp_value
@@ -160,13 +165,17 @@ class Checker:
         import numpy as np
 
         owners = self.writer[group.index]
+        # Every request's dropped blocks first: the scheduler may have given a
+        # block one request's window dropped this step to a request before it
+        # in the batch.
+        own_ids = [self._own_ids(req_id, group) for req_id in batch.req_ids]
         for i, req_id in enumerate(batch.req_ids):
             a, b = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
             mine = slots[:, a:b]
             ranks, tokens = np.nonzero(mine != PAD_SLOT_ID)
             if not ranks.size:
                 continue
-            value = self._own_stamp(req_id, group)
+            value = self._stamp(own_ids[i])
             blocks = mine[ranks, tokens] // group.block_size
             inside = (blocks >= 0) & (blocks < self.num_blocks)
             own = np.zeros(blocks.shape, dtype=bool)

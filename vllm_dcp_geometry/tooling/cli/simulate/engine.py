@@ -27,13 +27,12 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_dcp_geometry.tooling import vllm_objects
 from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
-    MIXED_POOL_SHARE,
     RUNNERS,
     VOCAB_SIZE,
     RequestPlan,
@@ -163,19 +162,47 @@ class Engine:
 
 
 def default_num_pages(workload: Workload, specs: list[Any], config: Any) -> int:
-    """Pool pages: the replay holds one max-length request (vLLM's own rule,
-    plus the null page); the mixed workload gets ``MIXED_POOL_SHARE`` of what
-    its longest requests need all at once, so the scheduler must preempt."""
+    """Pool pages, by vLLM's own pages-per-request rule, plus the null page:
+    the replay holds one max-length request; the mixed workload its longest
+    request (at full length, with its drafts' slots) and its wave's prompts
+    (an upper bound, which ``build_engine`` narrows to what vLLM's scheduler
+    allocates the wave, ``held_pages``)."""
     per_request = sum(vllm_objects.pages_per_request(s, config) for s in specs)
     if workload.name == "replay":
         return per_request + 1
-    longest = sorted(
-        (r.prompt_len + r.max_tokens + workload.num_speculative_tokens + 1)
+    wave = sum(
+        _pages_for(specs, config, r.prompt_len)
+        for r in workload.requests[: workload.wave]
+    )
+    return max(wave, longest_pages(workload, specs, config)) + 1
+
+
+def longest_pages(workload: Workload, specs: list[Any], config: Any) -> int:
+    """Pages the rule gives the workload's longest request at full length
+    (with its drafts' slots): the pool holds at least that, so every request
+    can finish."""
+    longest = max(
+        r.prompt_len + r.max_tokens + workload.num_speculative_tokens + 1
         for r in workload.requests
-    )[-workload.max_num_seqs :]
-    need = sum(_pages_for(specs, config, n) for n in longest)
-    floor = _pages_for(specs, config, longest[-1]) + len(specs)
-    return max(int(need * MIXED_POOL_SHARE), floor) + 1
+    )
+    return _pages_for(specs, config, longest)
+
+
+def held_pages(engine: Engine, plans: Iterable[RequestPlan]) -> int:
+    """Pages ``engine``'s scheduler holds for ``plans`` once it has admitted
+    and prefilled them all (a stand-in model that samples nothing keeps them
+    at their prompts)."""
+    scheduler = engine.scheduler
+    for plan in plans:
+        scheduler.add_request(make_request(plan, engine))
+    model = StandInModel(0, 0, 0.0, hold_prefilled=True)
+    while True:
+        output = scheduler.schedule()
+        if not output.total_num_scheduled_tokens:
+            break
+        scheduler.update_from_output(output, model.output(output, scheduler))
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    return engine.num_pages - 1 - free
 
 
 def _pages_for(specs: list[Any], config: Any, length: int) -> int:
@@ -186,6 +213,25 @@ def _pages_for(specs: list[Any], config: Any, length: int) -> int:
 
 
 def build_engine(
+    topology: Topology, workload: Workload, *, num_pages: int | None, **build: Any
+) -> Engine:
+    """``_build_engine`` (``build``: its other keywords); a mixed workload's
+    default pool is what vLLM's scheduler allocates its wave's prompts, asked
+    of engines over the rule's pool (``held_pages``)."""
+    engine = _build_engine(topology, workload, num_pages=num_pages, **build)
+    if num_pages is None and build.get("kv_cache_config") is None and workload.wave:
+        # The wave fills the pool (vLLM admits a request only when its whole
+        # prompt fits): its first decode step into a new block must preempt.
+        # The longest request fits alone (the rule), so every request finishes.
+        held = held_pages(engine, workload.requests[: workload.wave])
+        floor = longest_pages(workload, engine.specs, engine.vllm_config)
+        engine = _build_engine(
+            topology, workload, num_pages=max(held, floor) + 1, **build
+        )
+    return engine
+
+
+def _build_engine(
     topology: Topology,
     workload: Workload,
     *,

@@ -35,6 +35,8 @@ def build_report(
     v = checker.violations
     counts = {kind: v.counts.get(kind, 0) for kind in KINDS}
     workers_info = workers.describe()
+    promised = promised_events(workload, tally)
+    missing = [name for name, n in promised.items() if not n]
     return {
         "command": "simulate",
         "mode": "patched" if patched else "unpatched",
@@ -53,8 +55,11 @@ def build_report(
         "prefix_hit_tokens": tally.prefix_hit_tokens,
         "draft_tokens": tally.scheduled_draft_tokens,
         "accepted_draft_tokens": tally.accepted_tokens,
+        "events": promised,
+        "missing_events": missing,
         "ok": not any(counts.values())
-        and tally.finished_requests == len(workload.requests),
+        and tally.finished_requests == len(workload.requests)
+        and not missing,
         "first_violation": v.first,
         "violation_items": v.items,
         "step_tokens": workload.step_tokens,
@@ -65,6 +70,7 @@ def build_report(
         "prefix_caching": workload.enable_prefix_caching,
         "num_speculative_tokens": workload.num_speculative_tokens,
         "seed": workload.seed,
+        "shape": _shape(workload),
         "slot_mapping": {
             "path": "vectorized twin of vLLM's slot-mapping kernel "
             "(the contract's reference mapping with each table's kernel "
@@ -77,21 +83,57 @@ def build_report(
         "scheduler_digest": tally.scheduler_digest.hexdigest(),
         "slot_digest": tally.slot_digest.hexdigest(),
         "elapsed_s": round(elapsed, 3),
-        "groups": [
-            {
-                "name": g.name,
-                "kind": g.kind,
-                "shard_count": g.shard_count,
-                "builder_shard_count": g.builder_shard_count,
-                "virtual_block_size": g.virtual_block_size,
-                "block_table_width": workers.widths[g.index],
-                "slot_mapped": g.slot_mapped,
-                "violations": {
-                    kind: n for (name, kind), n in v.by_group.items() if name == g.name
-                },
-            }
-            for g in groups
-        ],
+        "groups": [_group_report(g, workers, v) for g in groups],
+    }
+
+
+def _group_report(group: GroupInfo, workers: Any, violations: Any) -> dict[str, Any]:
+    return {
+        "name": group.name,
+        "kind": group.kind,
+        "shard_count": group.shard_count,
+        "builder_shard_count": group.builder_shard_count,
+        "virtual_block_size": group.virtual_block_size,
+        "block_table_width": workers.widths[group.index],
+        "slot_mapped": group.slot_mapped,
+        "violations": {
+            kind: n
+            for (name, kind), n in violations.by_group.items()
+            if name == group.name
+        },
+    }
+
+
+def promised_events(workload: Workload, tally: Any) -> dict[str, int]:
+    """How often each event the workload promised happened (a mixed run:
+    preemptions, prefix-hit tokens where caching is on, accepted draft tokens
+    where there are drafts); any at 0 fails the run."""
+    counts = {
+        "preemptions": tally.preemptions,
+        "prefix_hit_tokens": tally.prefix_hit_tokens,
+        "accepted_draft_tokens": tally.accepted_tokens,
+    }
+    return {name: counts[name] for name in workload.promised_events()}
+
+
+EVENT_NAMES = {
+    "preemptions": "preemptions",
+    "prefix_hit_tokens": "prefix-hit tokens",
+    "accepted_draft_tokens": "accepted draft tokens",
+}
+"""What the text calls each event a workload promises."""
+
+
+def _shape(workload: Workload) -> dict[str, Any] | None:
+    """What the mixed workload took from the profile's geometry."""
+    if not workload.scheduler_block:
+        return None
+    wave = workload.requests[: workload.wave]
+    return {
+        "scheduler_block": workload.scheduler_block,
+        "wave_requests": len(wave),
+        "wave_prompt": wave[0].prompt_len if wave else None,
+        "prefixes": [n for n in workload.prefixes if n],
     }
 
 
@@ -130,11 +172,28 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
         f"  {report['preemptions']:,} preemptions, {hits}, {drafts}",
         f"  pool {report['num_pages']:,} pages; scheduler block "
         f"{report['scheduler_block_size']:,}, hash block {report['hash_block_size']:,}",
+        *_shape_lines(report["shape"]),
         f"  slot mappings: {slots['path']}; {slots['real_kernels']}: {checked}",
         f"  worker tables: {report['worker_tables']}; restated from vLLM: "
         + "; ".join(report["restated"]),
         f"  {report['slot_writes_checked']:,} rank-position slot writes checked",
         "",
+    ]
+
+
+def _shape_lines(shape: dict[str, Any] | None) -> list[str]:
+    if shape is None:
+        return []
+    wave = "no wave (too few requests or tokens per step)"
+    if shape["wave_requests"]:
+        wave = (
+            f"a wave of {shape['wave_requests']} prompts of "
+            f"{shape['wave_prompt']:,} tokens fills the pool"
+        )
+    prefixes = ", ".join(f"{n:,}" for n in shape["prefixes"]) or "none"
+    return [
+        f"  shaped by the {shape['scheduler_block']:,}-token scheduler block: "
+        f"{wave}; shared prefixes of {prefixes} tokens"
     ]
 
 
@@ -175,8 +234,29 @@ def format_report(report: dict[str, Any]) -> str:
     for item in report["violation_items"]:
         where = f" [{item['group']}]" if item["group"] else ""
         lines.append(f"  step {item['step']}{where} {item['kind']}: {item['message']}")
+    lines.extend(_event_lines(report))
     lines.append("OK" if report["ok"] else "FAILED")
     return "\n".join(lines)
+
+
+def _event_lines(report: dict[str, Any]) -> list[str]:
+    """The events the workload promised, and any it never saw."""
+    events = report["events"]
+    if not events:
+        return []
+    shown = ", ".join(
+        f"{EVENT_NAMES[name]} {n:,}" + (" (missing)" if not n else "")
+        for name, n in events.items()
+    )
+    lines = [f"{report['workload']} workload's events: {shown}"]
+    missing = [EVENT_NAMES[name] for name in report["missing_events"]]
+    if missing:
+        lines.append(
+            f"  the {report['workload']} workload promised {' and '.join(missing)} "
+            "and the run had none: a workload that proves nothing is a failure "
+            "(see --num-pages, --requests, --step-tokens)"
+        )
+    return lines
 
 
 def format_baseline(baseline: dict[str, Any], comparison: dict[str, Any]) -> str:
