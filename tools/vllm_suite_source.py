@@ -25,7 +25,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache"
 
-_CORE_0_33: tuple[str, ...] = (
+_CORE_BOTH: tuple[str, ...] = (
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py",
     "tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
@@ -33,9 +33,14 @@ _CORE_0_33: tuple[str, ...] = (
     "tests/v1/core/test_single_type_kv_cache_manager.py",
     "tests/v1/core/test_kv_cache_planning.py",
     "tests/v1/worker/test_gpu_block_table.py",
-    "tests/v1/worker/test_gpu_input_batch.py",
     "tests/v1/worker/test_gpu_model_runner.py",
     "tests/v1/worker/test_gpu_model_runner_v2.py",
+)
+"""The core files both releases' sdists carry."""
+
+_CORE_0_33: tuple[str, ...] = (
+    *_CORE_BOTH,
+    "tests/v1/worker/test_gpu_input_batch.py",
 )
 
 _REST_0_33: tuple[str, ...] = (
@@ -69,15 +74,7 @@ _REST_0_33: tuple[str, ...] = (
 )
 
 _CORE_0_34: tuple[str, ...] = (
-    "tests/v1/core/test_prefix_caching.py",
-    "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py",
-    "tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
-    "tests/v1/core/test_kv_cache_utils.py",
-    "tests/v1/core/test_single_type_kv_cache_manager.py",
-    "tests/v1/core/test_kv_cache_planning.py",
-    "tests/v1/worker/test_gpu_block_table.py",
-    "tests/v1/worker/test_gpu_model_runner.py",
-    "tests/v1/worker/test_gpu_model_runner_v2.py",
+    *_CORE_BOTH,
     "tests/v1/worker/test_mixed_warmup_gate.py",
     "tests/v1/worker/test_extensible_kv_cache.py",
 )

@@ -35,9 +35,9 @@ COMBINE_TILING = "tl.arange(0, HEAD_DIM)"
 """How the combine kernels of ``COMBINE_MODULE`` tile the head dimension."""
 
 
-def _backend_class(backend: str) -> Any:
-    """The backend's class, or ``MLACommonBackend`` where it cannot be
-    imported on this machine (its GPU-only kernels)."""
+def _backend_class(backend: str | None) -> Any:
+    """The backend's class, or ``MLACommonBackend`` where none is named or it
+    cannot be imported on this machine (its GPU-only kernels)."""
     from vllm_dcp_geometry.tooling.cli.common.noise import third_party_noise_hidden
 
     # A GPU backend's module logs its missing CUDA ops as it imports here,
@@ -52,6 +52,8 @@ def _backend_class(backend: str) -> Any:
             )
             from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+            if backend is None:
+                return MLACommonBackend
             try:
                 return AttentionBackendEnum[backend].get_class()
             except (KeyError, ImportError, RuntimeError, AttributeError):
@@ -60,18 +62,28 @@ def _backend_class(backend: str) -> Any:
         vllm_logger.setLevel(level)
 
 
+def refused_latent_row(backend: str | None, row: int) -> tuple[str, str] | None:
+    """The backend class (``MLACommonBackend`` for None) and the latent rows it
+    admits, where it refuses an MLA latent row of ``row`` (None: it admits
+    it): vLLM's own ``supports_head_size``."""
+    cls = _backend_class(backend)
+    if cls.supports_head_size(row):
+        return None
+    return cls.__name__, ", ".join(map(str, cls.get_supported_head_sizes()))
+
+
 def latent_row_refusal(group: CacheGroup, name: str, backend: str | None) -> str | None:
     """Why the group's backend refuses its MLA latent row (None: it admits it,
     or the topology gives no ``kv_lora_rank``)."""
     if group.kind != "mla" or group.kv_lora_rank is None or backend is None:
         return None
     row = int(group.spec_fields["head_size"])
-    cls = _backend_class(backend)
-    if cls.supports_head_size(row):
+    refused = refused_latent_row(backend, row)
+    if refused is None:
         return None
-    sizes = ", ".join(map(str, cls.get_supported_head_sizes()))
+    cls_name, sizes = refused
     return (
-        f"{name}: {backend} ({cls.__name__}) admits MLA latent rows of {sizes}; "
+        f"{name}: {backend} ({cls_name}) admits MLA latent rows of {sizes}; "
         f"this group's is {row} (kv_lora_rank {group.kv_lora_rank} + rope "
         f"{row - group.kv_lora_rank}) (vLLM {vllm_release()} refuses it at "
         "start-up, with or without DCP)"

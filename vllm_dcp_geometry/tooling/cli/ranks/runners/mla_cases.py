@@ -137,15 +137,15 @@ def single_head_refused(
 
 def head_size_refused(head_size: int) -> str | None:
     """Why vLLM's MLA path refuses a latent row of ``head_size`` (None: it
-    admits it), asked of vLLM's own ``MLACommonBackend``."""
-    from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
+    admits it), asked of vLLM's own ``MLACommonBackend`` by ``plan``'s rule."""
+    from vllm_dcp_geometry.tooling.cli.plan.kernel_shapes import refused_latent_row
 
-    if MLACommonBackend.supports_head_size(head_size):
+    refused = refused_latent_row(None, head_size)
+    if refused is None:
         return None
-    sizes = ", ".join(map(str, MLACommonBackend.get_supported_head_sizes()))
     return (
         f"not run: head_size {head_size} (kv_lora_rank + rope dim) is not one "
-        f"vLLM's MLA metadata admits ({sizes})"
+        f"vLLM's MLA metadata admits ({refused[1]})"
     )
 
 
