@@ -40,9 +40,9 @@ from vllm_dcp_geometry.contract.collectives import (
     collective_bytes,
 )
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VIOLATION, main
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
 from vllm_dcp_geometry.tooling.cli.ranks.results import EPSILON
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 
 pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",

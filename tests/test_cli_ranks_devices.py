@@ -28,7 +28,7 @@ import pytest
 
 from vllm_dcp_geometry.contract.layer_classes import KIMI_K3_MLA
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from vllm_dcp_geometry.tooling.cli.ranks import cases, run
+from vllm_dcp_geometry.tooling.cli.ranks import cases, run, shapes
 from vllm_dcp_geometry.tooling.cpu_stand_ins import child_environment
 from vllm_dcp_geometry.tooling.topology import load_profile
 
@@ -164,9 +164,9 @@ def test_a_gpu_run_takes_each_groups_sm90_backend_unless_one_is_named() -> None:
         )
         if g["name"] == "draft"
     ]
-    shape = cases.Shape(**draft["shape"])
+    shape = shapes.Shape(**draft["shape"])
     assert shape.lse_bytes == 4
-    assert cases.Shape(**{**draft["shape"], "backend": "TRITON_MLA"}).lse_bytes == 2
+    assert shapes.Shape(**{**draft["shape"], "backend": "TRITON_MLA"}).lse_bytes == 2
 
 
 def test_a_sharded_non_causal_draft_runs_only_on_a_dspark_dcp_backend() -> None:

@@ -35,7 +35,7 @@ import pytest
 
 from vllm_dcp_geometry.contract.layer_classes import KIMI_K3_MLA
 from vllm_dcp_geometry.tooling.cli import EXIT_OK, EXIT_VIOLATION, main
-from vllm_dcp_geometry.tooling.cli.ranks import cases, run
+from vllm_dcp_geometry.tooling.cli.ranks import cases, run, shapes
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
 from vllm_dcp_geometry.tooling.topology import load_profile, topology_from_mapping
 
@@ -119,7 +119,7 @@ def test_the_default_profile_runs_every_kimi_k3_group(
     assert draft["attention_world_size"] == 1
     assert draft["collective_bytes_per_rank_per_step"] == 0
     # A non-causal block of NON_CAUSAL_DECODE_TOKENS per request, 3 requests.
-    assert draft["decode_tokens_per_step"] == 3 * cases.NON_CAUSAL_DECODE_TOKENS
+    assert draft["decode_tokens_per_step"] == 3 * shapes.NON_CAUSAL_DECODE_TOKENS
     assert draft["shape"]["heads_per_rank"] == 2  # 64 / 4 / 8, at least 2
     for op in KIMI_OPS:
         assert op in report["stand_ins"]
@@ -280,10 +280,10 @@ def test_spec_values_and_classes_ranks_does_not_build_are_named() -> None:
 
 
 def test_scaling_keeps_two_heads_and_one_local_bfloat16_head_is_refused() -> None:
-    assert cases.scaled_heads(16, 8) == 2
-    assert cases.scaled_heads(16, 16) == 2
-    assert cases.scaled_heads(1, 4) == 1
-    assert cases.scaled_heads(6, 2) == 3
+    assert shapes.scaled_heads(16, 8) == 2
+    assert shapes.scaled_heads(16, 16) == 2
+    assert shapes.scaled_heads(1, 4) == 1
+    assert shapes.scaled_heads(6, 2) == 3
     one_head = _topology(query_heads=4, dcp_sharded=False)
     reason = _reason(one_head)
     assert reason is not None and "non-grouped decode kernel" in reason

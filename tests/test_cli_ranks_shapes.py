@@ -41,8 +41,8 @@ from vllm_dcp_geometry.tooling.cli import (
     main,
 )
 from vllm_dcp_geometry.tooling.cli.common.status import CliError
-from vllm_dcp_geometry.tooling.cli.ranks import cases, run
 from vllm_dcp_geometry.tooling.cli.ranks import report as ranks_report
+from vllm_dcp_geometry.tooling.cli.ranks import run, shapes
 
 pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",
@@ -198,12 +198,12 @@ def test_bytes_that_differ_from_the_formula_fail_the_run(
     every collective world of more than one rank: the K = 2 group fails
     (its numerics still ok), the local draft (0 bytes) does not, and the
     run exits 1."""
-    real = cases.mla_decode_step_bytes
+    real = shapes.mla_decode_step_bytes
 
     def wrong(world: int, **shape: Any) -> int:
         return real(world, **shape) + (8 if world > 1 else 0)
 
-    monkeypatch.setattr(cases, "mla_decode_step_bytes", wrong)
+    monkeypatch.setattr(shapes, "mla_decode_step_bytes", wrong)
     monkeypatch.setattr(run, "launch", lambda *a, **k: own_shapes["launched"])
     args = ["ranks", "-t", str(own_shapes["path"]), "--no-progress"]
     assert main([*args, "--json"]) == EXIT_VIOLATION

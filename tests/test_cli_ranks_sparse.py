@@ -48,7 +48,7 @@ from vllm_dcp_geometry.contract.layer_classes import (
     DEEPSEEK_V32_INDEXER_CACHE,
 )
 from vllm_dcp_geometry.tooling.cli import EXIT_OK, EXIT_VIOLATION, main
-from vllm_dcp_geometry.tooling.cli.ranks import cases, results, run
+from vllm_dcp_geometry.tooling.cli.ranks import cases, results, run, shapes
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
 from vllm_dcp_geometry.tooling.topology import load_profile, topology_from_mapping
 
@@ -229,7 +229,7 @@ def test_every_rank_is_right_and_moves_the_restated_bytes(
         assert row["unmodeled_collectives"] == []
     assert indexer["selection_repeats"] is False and indexer["local_lengths_ok"]
     tokens = latent["decode_tokens_per_step"]
-    assert tokens == len(cases.sparse_decode_requests(BLOCK, k, TOPK)) == 4
+    assert tokens == len(shapes.sparse_decode_requests(BLOCK, k, TOPK)) == 4
     heads = latent["shape"]["heads_per_rank"]
     assert heads == HEADS // D
     assert (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import textwrap
 import types
 from typing import Any
 
@@ -232,6 +233,26 @@ def _names_used(module: types.ModuleType) -> set[str]:
     }
 
 
+def _shared_source(path: str) -> str:
+    """The source of a shared ``module.function`` under ``runtime``, with the
+    module's own classes and functions it names (one level: the helpers it
+    hands its steps to)."""
+    import ast
+
+    module_name, _, function = path.rpartition(".")
+    shared = importlib.import_module(f"{RUNTIME}.{module_name}")
+    source = inspect.getsource(getattr(shared, function))
+    sources = [source]
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Name) and node.id != function:
+            helper = getattr(shared, node.id, None)
+            if (
+                inspect.isfunction(helper) or inspect.isclass(helper)
+            ) and helper.__module__ == shared.__name__:
+                sources.append(inspect.getsource(helper))
+    return "\n".join(sources)
+
+
 def channel_problems(channels: Any) -> list[str]:
     """Each channel has both ends: its setter and getter exist in
     ``group_context``, every writer patch calls the setter, every reader
@@ -248,21 +269,18 @@ def channel_problems(channels: Any) -> list[str]:
             ("reader", channel.readers, channel.getter),
         ):
             # Shared functions that use ``fn`` on a patch's behalf.
-            via = set()
-            for path in channel.via:
-                module_name, _, function = path.rpartition(".")
-                shared = importlib.import_module(f"{RUNTIME}.{module_name}")
-                if fn in inspect.getsource(getattr(shared, function)):
-                    via.add(function)
+            via = {
+                path.rpartition(".")[2]
+                for path in channel.via
+                if fn in _shared_source(path)
+            }
             for name in patches:
                 patch = importlib.import_module(PREFIX + name)
                 used = _names_used(patch)
                 if fn not in used and not via & used:
                     problems.append(f"{channel.setter}: {role} {name} never uses {fn}")
         for path in channel.via:
-            module_name, _, function = path.rpartition(".")
-            shared = importlib.import_module(f"{RUNTIME}.{module_name}")
-            source = inspect.getsource(getattr(shared, function))
+            source = _shared_source(path)
             if channel.setter not in source and channel.getter not in source:
                 problems.append(
                     f"{channel.setter}: {path} uses neither {channel.setter} nor "
@@ -301,6 +319,33 @@ def test_the_channel_check_catches_a_missing_end() -> None:
         "pending_block_table_layout: reader worker.block_table never uses "
         "no_such_getter",
     ]
+
+
+def test_the_channel_check_follows_shared_code_into_its_helpers() -> None:
+    """``builder_init`` hands the channels' use to its module's
+    ``_BuilderConstruction``: followed there, the MLA indexer (which calls
+    only ``builder_init``) writes the replica channel; pointed at shared code
+    that never touches it, the check names both ends as missing."""
+    from vllm_dcp_geometry.runtime import metadata_builders
+    from vllm_dcp_geometry.runtime.group_context import CHANNELS
+
+    replica = CHANNELS[-1]
+    assert replica.setter == "use_replica_group"
+    assert "use_replica_group" not in inspect.getsource(metadata_builders.builder_init)
+    assert "worker.mla_indexer" in replica.writers
+    assert channel_problems((replica,)) == []
+    elsewhere = dataclasses.replace(
+        replica, via=("metadata_builders.attach_local_seq_lens_buffer",)
+    )
+    problems = channel_problems((elsewhere,))
+    assert (
+        "use_replica_group: writer worker.mla_indexer never uses use_replica_group"
+        in (problems)
+    )
+    assert (
+        "use_replica_group: metadata_builders.attach_local_seq_lens_buffer uses "
+        "neither use_replica_group nor current_replica_group"
+    ) in problems
 
 
 def test_a_runner_without_its_block_table_partner_refuses_naming_it() -> None:

@@ -40,7 +40,7 @@ def main(rank: int, port: int) -> dict[str, Any]:
     from vllm.distributed import parallel_state
 
     from vllm_dcp_geometry.tooling.cli.ranks import measuring
-    from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
+    from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
     from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import model_dir, vllm_config
 
     measuring.enable_flight_recorder()

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """What ``ranks`` runs, before any process starts: each group's shapes
-(``Shape``), its batches, its backend, and which groups run on this machine
+(``shapes.Shape``), its batches, its backend, and which groups run on this machine
 (``plan_groups``, one entry per group, or the reason it is not run).
 
 Every group runs at its own shapes, what the operator's model runs: query
@@ -23,22 +23,20 @@ tokens).
 
 Which runner runs a group, and the shapes it runs it at, are the runner's
 (``runners``: one per layer class ``ranks`` builds). The runners plan with
-this module's ``Shape`` and batches, so their registry is imported where it
-is asked, not with this module.
+``shapes``' ``Shape`` and batches, never with this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_dcp_geometry.contract import cdiv
 from vllm_dcp_geometry.contract.attention_backends import collectives_within_replica
-from vllm_dcp_geometry.contract.collectives import (
-    NCCL,
-    REPLICA,
-    collective_world_size,
-    mla_decode_step_bytes,
+from vllm_dcp_geometry.contract.collectives import REPLICA, collective_world_size
+from vllm_dcp_geometry.tooling.cli.ranks.runners import runner_of, why_not_run
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import (
+    BACKEND,
+    RUN_BACKENDS,
+    topology_shape,
 )
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology
 
@@ -47,167 +45,6 @@ if TYPE_CHECKING:
         GroupCase,
         LayerRunner,
     )
-
-BACKEND = "TRITON_MLA"
-"""The MLA backend a group runs on without a GPU (its impl and builder; vLLM's
-Triton kernels under the interpreter)."""
-
-CUDA_MLA_BACKENDS = ("FLASH_ATTN_MLA", "FLASHINFER_MLA", "FLASHMLA", "CUTLASS_MLA")
-"""The compiled dense MLA backends ``ranks --device cuda`` runs (their impls
-and builders, as a ``vllm serve`` worker on the GPU makes them)."""
-
-RUN_BACKENDS = (BACKEND, *CUDA_MLA_BACKENDS)
-"""What ``--attention-backend`` may name for the dense MLA runners (``auto``:
-the runner's CPU backend on a CPU, the group's SM90 choice on a GPU, as
-``plan`` reports it)."""
-
-LSE_IN_QUERY_DTYPE = frozenset({BACKEND})
-"""Backends whose decode hands its LSEs on in the query's dtype
-(``TritonMLAImpl.forward_mqa``); the others' are float32. The combine's LSE
-all-gather moves that many bytes per LSE (``Shape.lse_bytes``)."""
-
-NOPE_DIM = 16
-"""The nope and value head dims (not in a topology; see the module doc)."""
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""The cache dtypes a group runs in, and their element sizes."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One group's sizes, the same on every rank."""
-
-    heads_per_rank: int
-    kv_lora_rank: int
-    rope_dim: int
-    dtype: str
-    max_model_len: int
-    """Long enough for the group's batches (``group_model_len``)."""
-    nope_dim: int = NOPE_DIM
-    v_head_dim: int = NOPE_DIM
-    max_num_seqs: int = 8
-    backend: str = BACKEND
-    """The attention backend the group runs on."""
-
-    @property
-    def scale(self) -> float:
-        return float((self.nope_dim + self.rope_dim) ** -0.5)
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def lse_bytes(self) -> int:
-        """Bytes of one LSE as the group's backend hands it on."""
-        return self.dtype_bytes if self.backend in LSE_IN_QUERY_DTYPE else 4
-
-    def decode_step_bytes(
-        self, world_size: int, tokens: int, backend: str = NCCL
-    ) -> int:
-        """What one rank moves decoding ``tokens`` in one layer of this shape
-        over ``world_size`` ranks on ``backend``
-        (``collectives.mla_decode_step_bytes``)."""
-        return mla_decode_step_bytes(
-            world_size,
-            tokens=tokens,
-            heads_per_rank=self.heads_per_rank,
-            kv_lora_rank=self.kv_lora_rank,
-            rope_dim=self.rope_dim,
-            dtype_bytes=self.dtype_bytes,
-            lse_bytes=self.lse_bytes,
-            backend=backend,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-NON_CAUSAL_DECODE_TOKENS = 4
-"""New tokens per request in a non-causal multi-token decode step (a DSpark
-draft's query block: every one of them attends every position of its
-request, the block's own included); a uniform block, as vLLM's builder
-requires."""
-
-
-def decode_requests(
-    block_size: int, shard_count: int, new_tokens: int = 1
-) -> list[tuple[int, int]]:
-    """One decode step: ``(context, new_tokens)`` over a long context (two
-    rounds over the K shards and a partial block), one of a single round and
-    one so short that some shards hold nothing."""
-    round_ = block_size * shard_count
-    return [
-        (2 * round_ + block_size // 2 + 3, new_tokens),
-        (round_ + 1, new_tokens),
-        (3, new_tokens),
-    ]
-
-
-def prefill_requests(block_size: int, shard_count: int) -> list[tuple[int, int]]:
-    """Chunked prefill over a context: a continuation past an unaligned
-    context, a block-aligned context (a prefix-cache hit) and a prefill with
-    no context."""
-    round_ = block_size * shard_count
-    return [(round_ + 5, 4), (2 * round_, 3), (0, 5)]
-
-
-def phase_requests(
-    block_size: int, shard_count: int, non_causal: bool = False
-) -> dict[str, list[tuple[int, int]]]:
-    """The batches a group runs, by phase: a decode step (a non-causal
-    multi-token one for a group that decodes so) and a chunked prefill."""
-    new = NON_CAUSAL_DECODE_TOKENS if non_causal else 1
-    return {
-        "decode": decode_requests(block_size, shard_count, new),
-        "prefill": prefill_requests(block_size, shard_count),
-    }
-
-
-def group_model_len(block_size: int, shard_count: int, non_causal: bool = False) -> int:
-    """``max_model_len`` of a group's run: its longest request, rounded up to
-    a multiple of 64."""
-    longest = max(
-        c + n
-        for requests in phase_requests(block_size, shard_count, non_causal).values()
-        for c, n in requests
-    )
-    return cdiv(longest, 64) * 64
-
-
-def sparse_decode_requests(
-    block_size: int, shard_count: int, topk: int
-) -> list[tuple[int, int]]:
-    """One sparse decode step, ``(context, 1)`` per request: a context
-    longer than the top-k by two rounds over the K shards and a partial
-    block (the selection selects), one of exactly top-k + 1 positions (it
-    drops one), one round (it keeps all) and one so short that some shards
-    hold nothing."""
-    round_ = block_size * shard_count
-    return [
-        (topk + 2 * round_ + block_size // 2 + 2, 1),
-        (topk, 1),
-        (round_, 1),
-        (2, 1),
-    ]
-
-
-def topology_shape(topology: Topology, group: CacheGroup) -> dict[str, Any]:
-    """The group's shapes as the topology gives them (None where not given)."""
-    return {
-        "heads_per_rank": topology.heads_per_rank(group),
-        "kv_lora_rank": group.kv_lora_rank,
-        "rope_dim": group.rope_dim,
-        "dtype": str(group.spec_fields.get("dtype")),
-    }
-
-
-def scaled_heads(heads_per_rank: int, scale: int) -> int:
-    """Query heads per rank divided by ``scale``, rounded up, and never
-    scaled below two: one head per rank takes another decode kernel
-    (``mla_cases.single_head_refused``), so scaling keeps the group's kernel."""
-    return max(cdiv(heads_per_rank, scale), min(heads_per_rank, 2))
-
 
 NON_CAUSAL_DCP_REASON = (
     "not run on {backend}: a non-causal multi-token draft under DCP needs a "
@@ -218,9 +55,6 @@ NON_CAUSAL_DCP_REASON = (
 
 def layer_runner(group: CacheGroup) -> LayerRunner | None:
     """The runner of the group's layer class (None: ``ranks`` builds none)."""
-    # The registry's runners import this module: it is imported on use.
-    from vllm_dcp_geometry.tooling.cli.ranks.runners import runner_of
-
     return runner_of(group)
 
 
@@ -293,8 +127,6 @@ def _case(
     """What the group runs at here, or (None and) why it is not run: what it
     is (``runners.why_not_run``), its backend, then its runner's shapes and
     whether it runs them here."""
-    from vllm_dcp_geometry.tooling.cli.ranks.runners import why_not_run
-
     dcp = topology.decode_context_parallel_size
     reason = why_not_run(group, gpu=gpu, dcp=dcp)
     if reason is None and run_on is not None:

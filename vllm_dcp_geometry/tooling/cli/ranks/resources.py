@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dcp_geometry.tooling.cli.common.status import CliError
-from vllm_dcp_geometry.tooling.cli.ranks.cases import BACKEND, layer_runner
+from vllm_dcp_geometry.tooling.cli.ranks.cases import layer_runner
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import BACKEND
 from vllm_dcp_geometry.tooling.topology import Topology
 
 WORKER_PEAK_RSS_BYTES = 1_197_676 * 1024
@@ -32,11 +33,6 @@ Linux machine as the largest ``ru_maxrss`` (1,197,676 KiB) of the workers of
 workers ran 2 query heads per rank at latent 256 + rope 64 in fp32 over
 contexts of a few hundred tokens, tensors of a few MB: this is vLLM's and
 torch's own. What a group's shapes add is its runner's ``worker_bytes``."""
-
-TRANSIENT_COPIES = 2
-"""A runner's ``worker_bytes`` counts each tensor a worker allocates for a
-group once; the dtype and device copies and the reference's intermediates
-(one of each size at a time) at most double that."""
 
 MAX_SUGGESTED_SCALE = 64
 """The largest ``--scale`` a refusal looks for to fit (powers of two)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_dcp_geometry.contract.collectives import NCCL, attention_work_ratio
 from vllm_dcp_geometry.contract.layer_classes import GENERIC_LAYERS
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape, phase_requests
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape, phase_requests
 
 EPSILON = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 """Machine epsilon of each dtype a group runs in (the gap from 1 to the next

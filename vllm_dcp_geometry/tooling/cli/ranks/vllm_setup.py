@@ -20,7 +20,7 @@ from vllm_dcp_geometry.contract.overrides import (
     LAYERS_KEY,
     PARTIAL_COLLECTIVES_KEY,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 from vllm_dcp_geometry.tooling.mla_rank_run import (
     build_mla_layer,
     write_deepseek_config,

@@ -30,7 +30,6 @@ from vllm_dcp_geometry.runtime.replica_groups import (
     destroy_replica_groups,
     make_replica_groups,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import (
     enable_flight_recorder,
     install_meters,
@@ -41,6 +40,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
     PlannedGroup,
     RankRun,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     model_dir,
     serving_config,

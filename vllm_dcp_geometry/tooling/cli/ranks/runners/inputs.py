@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.contract import reference_slot_mapping
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 
 if TYPE_CHECKING:
     from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (

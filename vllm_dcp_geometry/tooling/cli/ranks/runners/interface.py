@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from vllm_dcp_geometry.tooling.cli.ranks.cases import (
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import (
     BACKEND,
     CUDA_MLA_BACKENDS,
     Shape,

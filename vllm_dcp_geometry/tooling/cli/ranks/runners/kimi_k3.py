@@ -37,7 +37,6 @@ from typing import Any
 
 from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, verify_symbol
 from vllm_dcp_geometry.runtime.upstream_symbols import require_global_call
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import record_context_lse_in
 from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
     LayerRunner,
@@ -55,6 +54,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.mla_phases import (
     run_set_up,
     set_up_group,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.verdict import measure_dense
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import LAYER, run_backend
 from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced

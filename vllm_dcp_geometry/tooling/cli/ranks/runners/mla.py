@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
     LayerRunner,
     PlannedGroup,
@@ -28,6 +27,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.mla_phases import (
     run_set_up,
     set_up_group,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.verdict import measure_dense
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import build_layer
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_dcp_geometry.contract import cdiv
-from vllm_dcp_geometry.tooling.cli.ranks.cases import (
+from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import GroupCase
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import (
     BACKEND,
     DTYPE_BYTES,
+    TRANSIENT_COPIES,
     Shape,
     decode_requests,
     group_model_len,
@@ -22,8 +24,6 @@ from vllm_dcp_geometry.tooling.cli.ranks.cases import (
     scaled_heads,
     topology_shape,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.resources import TRANSIENT_COPIES
-from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import GroupCase
 from vllm_dcp_geometry.tooling.mla_rank_run import REFERENCE_HEAD_CHUNK
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv
-from vllm_dcp_geometry.tooling.cli.ranks.cases import BACKEND, Shape, phase_requests
 from vllm_dcp_geometry.tooling.cli.ranks.measuring import record_local_lse_of
 from vllm_dcp_geometry.tooling.cli.ranks.runners.inputs import (
     Inputs,
@@ -40,6 +39,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
     PlannedGroup,
     RankRun,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import BACKEND, Shape, phase_requests
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
     LAYER,
     model_dir,

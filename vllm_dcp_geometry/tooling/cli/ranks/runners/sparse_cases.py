@@ -19,14 +19,14 @@ from vllm_dcp_geometry.contract.layer_classes import (
     LATENT_CACHE_SUFFIX,
     indexer_latent_name,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.cases import (
+from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import GroupCase
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import (
     DTYPE_BYTES,
+    TRANSIENT_COPIES,
     Shape,
     scaled_heads,
     sparse_decode_requests,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.resources import TRANSIENT_COPIES
-from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import GroupCase
 from vllm_dcp_geometry.tooling.cli.ranks.verdict import (
     tolerance,
     traffic_and_class,

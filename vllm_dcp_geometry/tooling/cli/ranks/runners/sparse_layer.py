@@ -25,7 +25,6 @@ from typing import Any
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv
 from vllm_dcp_geometry.runtime.patching import UpstreamSymbol, verify_symbol
 from vllm_dcp_geometry.runtime.upstream_symbols import require_global_call
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape, sparse_decode_requests
 from vllm_dcp_geometry.tooling.cli.ranks.runners.inputs import (
     Requests,
     ShardLayout,
@@ -35,6 +34,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
     PlannedGroup,
     RankRun,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape, sparse_decode_requests
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import vllm_config
 from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced
 from vllm_dcp_geometry.tooling.sparse_rank_run import (

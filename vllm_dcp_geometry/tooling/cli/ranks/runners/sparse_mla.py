@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
     LayerRunner,
     PlannedGroup,
@@ -61,6 +60,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.sparse_step import (
     step_seconds,
     write_latent_cache,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.traffic import Traffic
 from vllm_dcp_geometry.tooling.mla_rank_run import magnitude, max_error
 from vllm_dcp_geometry.tooling.sparse_rank_run import (

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dcp_geometry.tooling.cli.ranks.cases import Shape
 from vllm_dcp_geometry.tooling.cli.ranks.runners.inputs import (
     Inputs,
     common_metadata,
@@ -43,6 +42,7 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.sparse_layer import (
     LATENT_LAYER,
     SparseSetUp,
 )
+from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 from vllm_dcp_geometry.tooling.sparse_rank_run import (
     FP8_DS_MLA_ROW_BYTES,
     IndexerCall,
