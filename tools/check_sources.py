@@ -69,8 +69,9 @@ REGISTRY_NAMES = {"PATCH_MODULES", "PATCH_PACKAGE", "declarations"}
 TEST_ONLY_SWITCHES = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PIN_MEMORY")
 CPU_WORKER_SWITCHES = Path("vllm_dcp_geometry/tooling/cpu_stand_ins.py")
 """The one library module that may name the switches: the tooling's CPU
-stand-ins, with what ``ranks`` puts in the environment of the worker processes
-it spawns on a machine with no GPU (never in its own process, never at import
+stand-ins, with what the tooling puts in the environment of the processes it
+starts for vLLM's kernels on a machine with no GPU (``ranks``' workers,
+``simulate``'s CPU process; never in its own process, never at import
 time)."""
 
 

@@ -43,9 +43,12 @@ class SimulationOptions(options.SimulationOptions):
     """(group, rank) whose shard is shifted by one."""
     on_step: Callable[[options.StepView], None] | None = None
     """Called after each step's checks."""
+    as_on_a_gpu: bool = True
+    """Cross-check as a GPU run does (the tests' topologies are small enough
+    to feed vLLM's tables every step under the interpreter)."""
 
     def hooks(self) -> options.SimulationHooks:
-        return _TestHooks(self.shift_shard, self.on_step)
+        return _TestHooks(self.shift_shard, self.on_step, self.as_on_a_gpu)
 
 
 class _TestHooks(options.SimulationHooks):
@@ -53,9 +56,14 @@ class _TestHooks(options.SimulationHooks):
         self,
         shift_shard: tuple[int, int] | None,
         on_step: Callable[[options.StepView], None] | None,
+        as_on_a_gpu: bool,
     ) -> None:
         self.shift_shard = shift_shard
         self.on_step = on_step
+        self.as_on_a_gpu = as_on_a_gpu
+
+    def cross_checks_as_on_a_gpu(self) -> bool:
+        return self.as_on_a_gpu
 
     def shard(self, group: int, rank: int, shard: int, shard_count: int) -> int:
         if self.shift_shard != (group, rank):

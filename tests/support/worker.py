@@ -28,35 +28,11 @@ PAD = -1
 
 
 def enable_v2_on_cpu() -> Callable[[], None]:
-    """Let Model Runner V2's ``BlockTables`` build on CPU; returns the undo.
+    """Let Model Runner V2's ``BlockTables`` build on CPU; returns the undo
+    (the tooling's CPU set-up, ``simulate``'s in its CPU process)."""
+    from vllm_dcp_geometry.tooling.cpu_stand_ins import enable_block_tables_on_cpu
 
-    Its UVA buffers need pinned memory and the platform's device type, which an
-    unspecified platform reports as "".
-    """
-    import vllm.v1.worker.gpu.buffer_utils as buffer_utils
-    from vllm.platforms import current_platform
-
-    saved_uva = buffer_utils.is_uva_available
-    # vLLM 0.34.0's non-UVA buffers also pin their host side where the
-    # platform says it can (0.33.0's never do); pinning needs CUDA.
-    saved_pin = getattr(buffer_utils, "is_pin_memory_available", None)
-    had_own = "device_type" in vars(current_platform)
-    saved_type = current_platform.device_type
-    buffer_utils.is_uva_available = lambda: False
-    if saved_pin is not None:
-        buffer_utils.is_pin_memory_available = lambda: False
-    current_platform.device_type = "cpu"
-
-    def undo() -> None:
-        buffer_utils.is_uva_available = saved_uva
-        if saved_pin is not None:
-            buffer_utils.is_pin_memory_available = saved_pin
-        if had_own:
-            current_platform.device_type = saved_type
-        else:
-            del current_platform.device_type
-
-    return undo
+    return enable_block_tables_on_cpu()
 
 
 def v2_shard_counts(kv_config: Any, vllm_config: Any) -> list[int]:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""A CPU worker process of ``ranks``: its switches and what it installs, in
+"""The tooling's CPU processes: their switches and what they install, in
 this one module of the tooling (``tools/check_sources.py``'s
 ``CPU_WORKER_SWITCHES``), and the helpers every stand-in module shares.
 
@@ -8,9 +8,12 @@ this one module of the tooling (``tools/check_sources.py``'s
   interpreter on, an empty (not unset) visible-devices list so that vLLM keeps
   its Triton path with no GPU, and no pinned host memory. The package never
   sets them in its own process, and ``tools/check_sources.py`` keeps their
-  names out of every other library source. ``ranks`` puts
-  ``child_environment`` in the environment of the worker processes it spawns
-  on a machine with no visible GPU, and only there.
+  names out of every other library source. On a machine with no visible GPU,
+  ``child_environment`` goes into the environment of the processes the
+  tooling starts for vLLM's kernels, and only there: ``ranks``' workers,
+  ``simulate``'s CPU process (``kernels_need_a_cpu_process``), which builds
+  vLLM's block tables on CPU tensors (``block_tables_on_cpu``), and the
+  planning process of a model directory.
 - ``install_cpu_stand_ins``: what a CPU worker of ``ranks`` calls once vLLM is
   imported: ``custom_op_stand_ins``' ops in ``vllm._custom_ops``, a device
   type and SM count for the unspecified platform, no pinned host memory,
@@ -42,7 +45,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,6 +102,77 @@ def disable_pinned_memory(
             setattr(owner, PINNED_MEMORY, value)
 
     return restore
+
+
+# vLLM's slot-mapping kernels in a CPU process ---------------------------------
+
+BUFFER_UTILS_MODULE = "vllm.v1.worker.gpu.buffer_utils"
+"""Where Model Runner V2's host buffers ask for UVA and pinned memory."""
+
+
+def interpreting_on_cpu() -> bool:
+    """Whether this process started with the CPU switches
+    (``child_environment``'s interpreter and empty visible-devices list): a
+    ``ranks`` worker, ``simulate``'s CPU process, the test suite."""
+    return os.environ.get(INTERPRETER) == "1" and os.environ.get(VISIBLE_DEVICES) == ""
+
+
+def kernels_need_a_cpu_process() -> bool:
+    """Whether vLLM's Triton kernels run only in another process here: no GPU
+    is visible, Triton is installed, and this process started without the
+    CPU switches (Triton reads them once, when vLLM's kernels are defined)."""
+    if interpreting_on_cpu() or importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def enable_block_tables_on_cpu() -> Callable[[], None]:
+    """Let both model runners' block tables build and copy on CPU tensors
+    (their host buffers ask for UVA and pinned memory, which need a driver;
+    V2's also for the platform's device type, "" on an unspecified
+    platform); returns the undo."""
+    buffer_utils: Any = importlib.import_module(BUFFER_UTILS_MODULE)
+    pin_back = disable_pinned_memory(HOST_BUFFER_MODULES)
+    from vllm.platforms import current_platform
+
+    saved_uva = buffer_utils.is_uva_available
+    # vLLM 0.34.0's non-UVA buffers also pin their host side where the
+    # platform says it can (0.33.0's never do).
+    saved_pin = getattr(buffer_utils, "is_pin_memory_available", None)
+    had_own = "device_type" in vars(current_platform)
+    saved_type = current_platform.device_type
+    buffer_utils.is_uva_available = lambda: False
+    if saved_pin is not None:
+        buffer_utils.is_pin_memory_available = lambda: False
+    current_platform.device_type = "cpu"
+
+    def undo() -> None:
+        pin_back()
+        buffer_utils.is_uva_available = saved_uva
+        if saved_pin is not None:
+            buffer_utils.is_pin_memory_available = saved_pin
+        if had_own:
+            current_platform.device_type = saved_type
+        else:
+            del current_platform.device_type
+
+    return undo
+
+
+@contextlib.contextmanager
+def block_tables_on_cpu() -> Any:
+    """``enable_block_tables_on_cpu`` while the block runs, in a process with
+    the CPU switches; elsewhere (a GPU, or no interpreter) nothing."""
+    if not interpreting_on_cpu():
+        yield
+        return
+    undo = enable_block_tables_on_cpu()
+    try:
+        yield
+    finally:
+        undo()
 
 
 # The Triton interpreter's bfloat16 dot ------------------------------------------

@@ -6,11 +6,13 @@ The plugin's patches are process-wide, so "unpatched vLLM" is only ever a
 fresh process that never calls ``register()``: an unpatched child gets
 ``VLLM_PLUGINS=""`` (vLLM's own plugin filter), so nothing in it loads the
 plugin through its entry point either. The child prints one JSON document as
-its last line of standard output.
+its last line of standard output (``run_fresh_python``), or prints where this
+process prints and hands back its exit status (``run_fresh_python_in_view``).
 
 One runner for everything that needs a second process: the unpatched
-baselines of ``replay`` and ``simulate``, the benchmarks' measurement
-processes and the test suite (which prepends its own set-up code).
+baselines of ``replay`` and ``simulate``, ``simulate``'s CPU process (vLLM's
+Triton kernels under the interpreter), the benchmarks' measurement processes
+and the test suite (which prepends its own set-up code).
 """
 
 from __future__ import annotations
@@ -84,3 +86,19 @@ def run_fresh_python(
             tail,
         )
     return json.loads(lines[-1])
+
+
+def run_fresh_python_in_view(
+    args: Sequence[str],
+    *,
+    patched: bool,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """``python args...`` in a fresh interpreter that prints to this process's
+    standard output and error (its progress bar and report are the caller's);
+    its exit status."""
+    return subprocess.run(
+        [sys.executable, *args],
+        env=fresh_env(patched=patched, extra=env),
+        check=False,
+    ).returncode

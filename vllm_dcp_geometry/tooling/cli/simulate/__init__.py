@@ -11,7 +11,10 @@ block tables of the chosen model runner (``workers``, ``workers_v2``); each
 rank's slot mapping and each attention group's local sequence lengths are
 checked at every step and every group (``checks``, over ``views``). Slot
 mappings come from a vectorized twin of vLLM's kernels, cross-checked against
-the real kernels on sampled steps where they run (``kernels``). The report
+vLLM's own slot-mapping kernel on sampled steps (``kernels``): on a GPU, or on
+a machine with none in a CPU process of its own, started with the tooling's
+CPU switches (``cpu_stand_ins.child_environment``: the Triton interpreter),
+which runs the whole command and prints its report. The report
 and its text are in ``report``; what a run takes, and the hooks a caller may
 give it, in ``options``.
 
@@ -172,10 +175,28 @@ def run_unpatched_baseline(
     )
 
 
+def rerun_in_cpu_process(args: argparse.Namespace) -> int:
+    """The same command line in a fresh process with the CPU switches, where
+    vLLM's Triton kernels run under the interpreter; its exit status."""
+    from vllm_dcp_geometry.tooling.cpu_stand_ins import child_environment
+    from vllm_dcp_geometry.tooling.fresh_process import run_fresh_python_in_view
+
+    unpatched = bool(getattr(args, "unpatched_baseline", False))
+    return run_fresh_python_in_view(
+        ["-m", "vllm_dcp_geometry", *args.argv],
+        patched=not unpatched,
+        env=child_environment(),
+    )
+
+
 def command(args: argparse.Namespace) -> int:
     """``vllm-dcp-geometry simulate``."""
     if args.runner == "v1":
         require_model_runner_v1("--runner v1")
+    from vllm_dcp_geometry.tooling.cpu_stand_ins import kernels_need_a_cpu_process
+
+    if kernels_need_a_cpu_process():
+        return rerun_in_cpu_process(args)
     topology = load_topology(args)
     tokens = check_inputs(topology, args)
     unpatched = runs.start_vllm(args)

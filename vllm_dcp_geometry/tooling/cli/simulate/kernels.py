@@ -4,9 +4,10 @@
 
 vLLM computes slot mappings with Triton kernels (Model Runner V1:
 ``ComputeSlotMappingKernel``; V2: ``_compute_slot_mappings_kernel``). They run
-on a GPU, or on CPU under the Triton interpreter, which only tests switch on;
-on a machine with neither, vLLM replaces Triton with a placeholder and no
-kernel runs. Interpreted they are also too slow for a 1,000,000-token replay
+on a GPU, or on CPU under the Triton interpreter, which must be switched on
+before vLLM is imported (``simulate`` then runs in a CPU process of its own);
+without either, vLLM replaces Triton with a placeholder and no kernel runs.
+Interpreted they are also too slow for every step of a 1,000,000-token replay
 on 16 ranks.
 
 So every step's slot mappings come from a twin: for each request, the
@@ -16,8 +17,9 @@ own block table, with exactly the scalars the kernel would be launched with
 interleave; V2: the group's block size and the ``CP_SIZE``/rank/sharded flag
 its launch carries). A column beyond the table reads ``SENTINEL_BLOCK``, so a
 position the table cannot address shows up as a slot outside every block.
-Where vLLM's kernels can run, ``probe_real_kernels`` says so and the
-simulation also runs them on sampled steps and compares.
+Where vLLM's kernels run (a GPU, or the Triton interpreter in the CPU process
+``simulate`` starts on a machine without one), ``probe_real_kernels`` says
+so and the simulation also runs them on sampled steps and compares.
 """
 
 from __future__ import annotations
@@ -40,8 +42,21 @@ SENTINEL_BLOCK = -2
 never equal ``PAD_SLOT_ID``, so they can be told from "not this rank"."""
 
 CROSS_CHECK_EVERY = 64
-"""Every 64th step is cross-checked against the real kernel (and every step
-in which a request crosses a virtual block of a slot-mapped group)."""
+"""On a GPU, every 64th step is cross-checked against the real kernel (and
+every step in which a request crosses a virtual block of a slot-mapped
+group)."""
+
+
+def interpreted_check_due(step: int, due: int) -> tuple[bool, int]:
+    """Under the Triton interpreter, whether ``step`` is cross-checked, and the
+    step from which the next one is: steps 1, 2, 4, 8, ... (the first step
+    with work from each), so a run of S steps checks about log2(S) of them,
+    early and late. An interpreted launch takes about 0.1 s per rank and
+    step, every step of the default replay (1,304 steps on 16 ranks) over
+    half an hour."""
+    if step < due:
+        return False, due
+    return True, 2 * max(step, 1)
 
 
 @dataclass(frozen=True)
@@ -127,7 +142,10 @@ def probe_real_kernels(device: Any) -> tuple[bool, str]:
         return False, (
             f"vLLM's Triton kernels cannot run here ({type(exc).__name__}{reason})"
         )
-    return True, f"vLLM's Triton kernels run here ({torch.device(device).type})"
+    where = torch.device(device).type
+    if where == "cpu":
+        where = "cpu, Triton interpreter"
+    return True, f"vLLM's Triton kernels run here ({where})"
 
 
 def _launch_v1_kernel(device: Any) -> None:

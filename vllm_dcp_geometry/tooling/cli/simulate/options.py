@@ -7,8 +7,9 @@ The command runs with the no-op ``SimulationHooks``. A caller that needs
 more subclasses ``SimulationOptions`` and returns its own hooks from
 ``hooks()``: the tests do (``tests/support/simulate.py``), to feed every step's
 scheduler output to vLLM's own worker code, to hand a check a deliberately
-wrong input, and to shift one rank's shard so that the checks must catch a
-broken geometry. Nothing a hook does is part of the command's behaviour.
+wrong input, to shift one rank's shard so that the checks must catch a
+broken geometry, and to cross-check small runs under the interpreter as a
+GPU run does. Nothing a hook does is part of the command's behaviour.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class SimulationHooks:
     def step_checked(self, view: StepView) -> None:
         """Called after each step's checks, before the stand-in model's
         output goes back to the scheduler."""
+
+    def cross_checks_as_on_a_gpu(self) -> bool:
+        """Whether, under the Triton interpreter, the run still feeds vLLM's
+        tables every step and cross-checks the steps a GPU run does (every
+        64th and every virtual-block crossing) rather than steps 1, 2, 4, ...
+        (``kernels.interpreted_check_due``)."""
+        return False
 
 
 @dataclass(frozen=True)

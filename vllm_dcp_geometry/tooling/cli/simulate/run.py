@@ -35,6 +35,7 @@ from vllm_dcp_geometry.tooling.cli.simulate.engine import (
 from vllm_dcp_geometry.tooling.cli.simulate.kernels import (
     CROSS_CHECK_EVERY,
     crosses_virtual_block,
+    interpreted_check_due,
     probe_real_kernels,
 )
 from vllm_dcp_geometry.tooling.cli.simulate.options import (
@@ -55,6 +56,7 @@ from vllm_dcp_geometry.tooling.cli.simulate.workloads import (
     estimated_steps,
     make_workload,
 )
+from vllm_dcp_geometry.tooling.cpu_stand_ins import block_tables_on_cpu
 from vllm_dcp_geometry.tooling.topology import Topology, TopologyError
 
 IDLE_STEPS_LIMIT = 64
@@ -73,6 +75,9 @@ class Tally:
     scheduled_draft_tokens: int = 0
     finished_requests: int = 0
     cross_checked_steps: int = 0
+    next_interpreted_check: int = 1
+    """Under the Triton interpreter: the step index from which the next step
+    is cross-checked (``kernels.interpreted_check_due``)."""
     accepted_tokens: int = 0
     """Draft tokens the stand-in model accepted."""
     scheduler_digest: Any = field(
@@ -128,12 +133,16 @@ def group_infos(topology: Topology, engine: Engine, patched: bool) -> list[Group
     return infos
 
 
-def _build_workers(setup: WorkerSetup, runner: str, kernels: bool) -> Any:
+def _build_workers(
+    setup: WorkerSetup, runner: str, kernels: bool, hooks: SimulationHooks
+) -> Any:
+    interpreted = setup.device == "cpu" and not hooks.cross_checks_as_on_a_gpu()
     if runner == "v1":
         workers: Any = V1Workers(setup)
     else:
-        workers = V2Workers(setup, real=kernels)
+        workers = V2Workers(setup, real=kernels, fed_every_step=not interpreted)
     workers.cross_check = kernels and (runner == "v1" or bool(workers.real))
+    workers.interpreted = interpreted
     return workers
 
 
@@ -193,10 +202,15 @@ def check_step(
         return
     groups = checker.groups
     sharded = [g.virtual_block_size for g in groups if g.slot_mapped]
-    cross = workers.cross_check and (
-        step % CROSS_CHECK_EVERY == 0
-        or crosses_virtual_block(batch.first_positions, batch.num_tokens, sharded)
-    )
+    if workers.cross_check and workers.interpreted:
+        cross, tally.next_interpreted_check = interpreted_check_due(
+            step, tally.next_interpreted_check
+        )
+    else:
+        cross = workers.cross_check and (
+            step % CROSS_CHECK_EVERY == 0
+            or crosses_virtual_block(batch.first_positions, batch.num_tokens, sharded)
+        )
     real = workers.real_slot_mappings(batch) if cross else {}
     tally.cross_checked_steps += int(cross)
     for group in groups:
@@ -214,7 +228,8 @@ def check_step(
             checker.check_recurrent(step, group, batch, rows)
         else:
             checker.check_local_lengths(step, group, batch)
-    if cross and workers.runner == "v2":
+    if cross and workers.runner == "v2" and workers.fed_every_step:
+        # Tables given only the batch's rows hold what RowStore holds.
         for rank, index in workers.real_row_mismatches(batch):
             checker.violations.add(
                 "kernel_mismatch",
@@ -298,7 +313,11 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
     )
     dcp = topology.decode_context_parallel_size
     started = time.perf_counter()
-    with model_runner_choice(options.runner), model_directory() as model_dir:
+    with (
+        model_runner_choice(options.runner),
+        model_directory() as model_dir,
+        block_tables_on_cpu(),
+    ):
         with vllm_notes_held_back(not options.verbose):
             engine = build_engine(
                 topology,
@@ -320,8 +339,10 @@ def run_simulation(topology: Topology, options: SimulationOptions) -> dict[str, 
             device=device,
             shard_of=hooks.shard,
         )
-        kernels, kernel_note = probe_real_kernels(device)
-        workers = _build_workers(setup, options.runner, kernels)
+        with vllm_notes_held_back(not options.verbose):
+            # On CPU vLLM notes that its host buffers are not pinned.
+            kernels, kernel_note = probe_real_kernels(device)
+            workers = _build_workers(setup, options.runner, kernels, hooks)
         checker = Checker(
             groups, engine, dcp, topology.interleave_size, topology.mamba_cache_mode
         )

@@ -232,8 +232,14 @@ class V2Workers:
 
     runner = "v2"
 
-    def __init__(self, setup: WorkerSetup, *, real: bool) -> None:
+    def __init__(
+        self, setup: WorkerSetup, *, real: bool, fed_every_step: bool = True
+    ) -> None:
         self.setup = setup
+        self.fed_every_step = fed_every_step
+        """Whether the real tables take every step's writes (a GPU), or only
+        the batch's current rows on a cross-checked step (the Triton
+        interpreter, where each staged write is an interpreted launch)."""
         args = upstream_v2_table_args(
             setup.kv_cache_config, setup.vllm_config, setup.max_len
         )
@@ -255,7 +261,11 @@ class V2Workers:
                     build_v2_tables(setup, r, args, self.counts)
                     for r in range(setup.dcp_world_size)
                 ]
-                self.real_reason = "vLLM BlockTables per rank"
+                self.real_reason = "vLLM BlockTables per rank" + (
+                    ""
+                    if fed_every_step
+                    else ", given the batch's rows on each cross-checked step"
+                )
             except RuntimeError as exc:
                 self.real_reason = f"BlockTables cannot be built here: {exc}"
         self.overflows: list[tuple[str, int, int]] = []
@@ -268,10 +278,13 @@ class V2Workers:
             self.store.apply(fitted)
             self.overflows += overflows
             writes.append(fitted)
-        for tables in self.real:
-            for write in writes:
-                tables.append_block_ids(write.index, write.block_ids, write.overwrite)
-            tables.apply_staged_writes()
+        if self.fed_every_step:
+            for tables in self.real:
+                for write in writes:
+                    tables.append_block_ids(
+                        write.index, write.block_ids, write.overwrite
+                    )
+                tables.apply_staged_writes()
         return scheduled_batch(
             scheduler_output,
             list(scheduler_output.num_scheduled_tokens),
@@ -300,11 +313,26 @@ class V2Workers:
             ]
         )
 
+    def _write_batch_rows(self, batch: ScheduledBatch) -> None:
+        """The real tables take the current rows of the batch's requests (as
+        overwrites, staged and applied by vLLM), where they are not fed
+        every step."""
+        for tables in self.real:
+            for state in (int(s) for s in batch.rows):
+                rows = tuple(
+                    [int(b) for b in self.store.rows[g][state, : int(n)]]
+                    for g, n in enumerate(self.store.num_blocks[:, state])
+                )
+                tables.append_block_ids(state, rows, True)
+            tables.apply_staged_writes()
+
     def real_slot_mappings(self, batch: ScheduledBatch) -> dict[int, np.ndarray]:
         """vLLM's own ``compute_slot_mappings`` on every rank."""
         import numpy as np
         import torch
 
+        if not self.fed_every_step:
+            self._write_batch_rows(batch)
         device = torch.device(self.setup.device)
         index = torch.tensor(batch.rows, dtype=torch.int32, device=device)
         start = torch.tensor(batch.query_start_loc, dtype=torch.int32, device=device)
