@@ -621,6 +621,6 @@ def test_a_model_whose_merge_is_narrower_than_its_buffer_is_refused() -> None:
 
 
 def test_plan_and_ranks_agree_on_which_lses_travel_in_the_query_dtype() -> None:
-    from vllm_dcp_geometry.tooling.cli.ranks import cases
+    from vllm_dcp_geometry.tooling.cli.ranks import shapes
 
-    assert cases.LSE_IN_QUERY_DTYPE == LSE_IN_QUERY_DTYPE_BACKENDS
+    assert shapes.LSE_IN_QUERY_DTYPE == LSE_IN_QUERY_DTYPE_BACKENDS
