@@ -317,12 +317,19 @@ class V2Workers:
         """The real tables take the current rows of the batch's requests (as
         overwrites, staged and applied by vLLM), where they are not fed
         every step."""
-        for tables in self.real:
-            for state in (int(s) for s in batch.rows):
-                rows = tuple(
-                    [int(b) for b in self.store.rows[g][state, : int(n)]]
+        # The rows are the same on every rank: read them once.
+        writes = [
+            (
+                state,
+                tuple(
+                    self.store.rows[g][state, : int(n)].tolist()
                     for g, n in enumerate(self.store.num_blocks[:, state])
-                )
+                ),
+            )
+            for state in (int(s) for s in batch.rows)
+        ]
+        for tables in self.real:
+            for state, rows in writes:
                 tables.append_block_ids(state, rows, True)
             tables.apply_staged_writes()
 
