@@ -16,6 +16,7 @@ from tests.support.attention import (
     decode_batch,
     full_attention_spec,
     make_attention_layer,
+    replica_groups_for,
     set_dcp_group,
     tiny_model_config,
 )
@@ -103,7 +104,8 @@ def test_partial_group_needs_a_backend_that_honours_it(
     group = AttentionGroup(
         FlashAttentionBackend, [LAYER], full_attention_spec(16, 4), 0
     )
-    group.create_metadata_builders(vllm_config, torch.device("cpu"))
+    with replica_groups_for([4]):
+        group.create_metadata_builders(vllm_config, torch.device("cpu"))
     (builder,) = group.metadata_builders
     assert isinstance(builder, FlashAttentionMetadataBuilder)
     assert (builder.dcp_world_size, builder.dcp_rank) == (4, 2)

@@ -26,6 +26,7 @@ from tests.support.attention import (
     HEAD_SIZE,
     cpu_platform,  # noqa: F401
     full_attention_spec,
+    replica_groups_for,
     set_dcp_group,
     tiny_model_config,
 )
@@ -77,7 +78,8 @@ def _group(
         )
     group = AttentionGroup(backend, [LAYER], spec, 0)
     if backend is FlashAttentionBackend:
-        group.create_metadata_builders(vllm_config, torch.device("cpu"))
+        with replica_groups_for([spec.dcp_kv_shard_count or 4]):
+            group.create_metadata_builders(vllm_config, torch.device("cpu"))
     else:
         admit_attention_group(group, vllm_config)
     return group

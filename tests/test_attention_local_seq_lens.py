@@ -20,6 +20,7 @@ from tests.support.attention import (
     decode_batch,
     full_attention_spec,
     make_attention_layer,
+    replica_groups_for,
     set_dcp_group,
     tiny_model_config,
 )
@@ -27,7 +28,7 @@ from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import GroupGeometry, local_seq_len
 from vllm_dcp_geometry.runtime.group_context import use_group_geometry
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
-from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
+from vllm_dcp_geometry.runtime.impl_binding import ReplicaForward, ReplicaMaskedCombine
 
 pytestmark = pytest.mark.patches("worker.flash_attn", "worker.flashinfer")
 
@@ -62,12 +63,13 @@ def test_flash_attn_builder_local_lengths_follow_the_group(
                 set_dcp_group(monkeypatch, dcp, rank)
                 name = f"model.layers.{k}_{rank}.self_attn.attn"
                 layer = make_attention_layer(vllm_config, name, FlashAttentionBackend)
-                builder = FlashAttentionMetadataBuilder(
-                    full_attention_spec(BLOCK_SIZE, k),
-                    [name],
-                    vllm_config,
-                    torch.device("cpu"),
-                )
+                with replica_groups_for([k] if 1 < k < dcp else []):
+                    builder = FlashAttentionMetadataBuilder(
+                        full_attention_spec(BLOCK_SIZE, k),
+                        [name],
+                        vllm_config,
+                        torch.device("cpu"),
+                    )
                 metadata = builder.build(0, decode_batch(SEQ_LENS, 4096 // BLOCK_SIZE))
                 shard = rank % k
                 if k == 1:
@@ -90,15 +92,14 @@ def test_flash_attn_builder_local_lengths_follow_the_group(
                     max(_expected(contexts, k, s, interleave)) for s in range(k)
                 )
                 assert metadata.max_dcp_context_kv_len >= longest
-                # The FA3 scheduler still sees the queries of all D ranks.
-                assert builder.num_heads_q * builder.dcp_world_size == dcp
-                partial = k < dcp
-                assert isinstance(layer.impl.dcp_combine, ReplicaMaskedCombine) == (
-                    partial
+                # The FA3 scheduler sees the queries gathered over the K ranks
+                # of the replica (rule A6), or over all D for K = D.
+                assert builder.num_heads_q * builder.dcp_world_size == k
+                assert not isinstance(layer.impl.dcp_combine, ReplicaMaskedCombine)
+                assert (layer.impl.dcp_world_size, layer.impl.dcp_rank) == (
+                    (k, shard) if k < dcp else (dcp, rank)
                 )
-                if partial:
-                    assert layer.impl.dcp_combine.replica == rank // k
-                    assert layer.impl.dcp_world_size == dcp
+                assert isinstance(layer.impl.forward, ReplicaForward) == (k < dcp)
                 checked += 1
     assert checked == sum(
         dcp * sum(1 for k in divisors(dcp) if k > 1) for _ in INTERLEAVES
@@ -170,38 +171,39 @@ def test_flashinfer_local_lengths_follow_the_group(dcp: int) -> None:
 
 @pytest.mark.usefixtures("cpu_platform")
 def test_partial_builder_is_bound_to_its_group(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An impl serves one group: binding it to a second geometry is an error.
-    The start-up log says why the partial group keeps the D-wide path."""
-    import logging
-
+    Within its replica (the default) a partial group needs the replica groups
+    made at start-up: none made is refused naming the way out; on the D-wide
+    group (``partial_collectives: "dcp"``) it builds without them."""
     from vllm.v1.attention.backends.flash_attn import (
         FlashAttentionBackend,
         FlashAttentionMetadataBuilder,
     )
 
     from vllm_dcp_geometry.contract import DcpGeometryError
-    from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
 
     vllm_config = tiny_model_config(8, 1)
     set_dcp_group(monkeypatch, 8, 5)
     name = "model.layers.0.self_attn.attn"
     make_attention_layer(vllm_config, name, FlashAttentionBackend)
-    with caplog.at_level(logging.INFO, logger="vllm_dcp_geometry"):
-        builder = FlashAttentionMetadataBuilder(
+    with pytest.raises(DcpGeometryError, match="partial_collectives"):
+        FlashAttentionMetadataBuilder(
             full_attention_spec(BLOCK_SIZE, 4),
             [name],
             vllm_config,
             torch.device("cpu"),
         )
+    vllm_config.additional_config = {"dcp_geometry": {"partial_collectives": "dcp"}}
+    builder = FlashAttentionMetadataBuilder(
+        full_attention_spec(BLOCK_SIZE, 4),
+        [name],
+        vllm_config,
+        torch.device("cpu"),
+    )
     geometry = getattr(builder, BOUND_GEOMETRY_ATTR)
     assert (geometry.shard, geometry.replica) == (1, 1)
-    said = [r.getMessage() for r in caplog.records if "D-wide" in r.getMessage()]
-    assert said == [
-        f"{geometry.describe()}: FlashAttentionMetadataBuilder keeps the D-wide "
-        f"collectives: {D_WIDE_PARTIAL_REASON}"
-    ]
     # A second builder of the same group (ubatching) binds idempotently.
     FlashAttentionMetadataBuilder(
         full_attention_spec(BLOCK_SIZE, 4), [name], vllm_config, torch.device("cpu")

@@ -126,3 +126,49 @@ def test_a_changed_kernel_contract_fails_loudly() -> None:
         folding.folding(keys, torch.zeros(1)),
     ):
         folding(k=keys.clone(), out=out, return_softmax_lse=True)
+
+
+@pytest.mark.usefixtures("cpu_platform", "triton_interpreter_constexprs")
+def test_a_partial_group_attends_within_its_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D = 4, K = 2 (rule A6): every impl runs with (K, r % K) through its
+    replica forward, its combine unmasked, the builder plans the K x H heads
+    gathered over the replica; each rank's query all-gather and combine see
+    the K ranks of its replica only (a replica's exchange picks those), and
+    the output is exact with the sinks."""
+    from vllm_dcp_geometry.runtime.impl_binding import (
+        ReplicaForward,
+        ReplicaMaskedCombine,
+    )
+
+    batch = make_batch(4, CPU.requests(MIXED), 5, CPU)
+    ranks: list[dict[str, object]] = []
+    outputs = run_ranks(monkeypatch, 4, 2, batch, 5, keep=ranks)
+    assert max_error(outputs, batch, CPU) < TOLERANCE
+    for r, rank in enumerate(ranks):
+        impl = rank["layer"].impl  # type: ignore[attr-defined]
+        assert (impl.dcp_world_size, impl.dcp_rank) == (2, r % 2)
+        assert isinstance(impl.forward, ReplicaForward)
+        assert impl.forward.replica.ranks == [r // 2 * 2, r // 2 * 2 + 1]
+        assert not isinstance(impl.dcp_combine, ReplicaMaskedCombine)
+
+
+@pytest.mark.usefixtures("cpu_platform", "triton_interpreter_constexprs")
+def test_a_partial_group_on_the_dcp_group_stays_masked_and_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``partial_collectives: "dcp"``: the impl keeps D, its combine is
+    replica-masked, and the output is exact."""
+    from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
+
+    batch = make_batch(4, CPU.requests(MIXED), 6, CPU)
+    ranks: list[dict[str, object]] = []
+    outputs = run_ranks(
+        monkeypatch, 4, 2, batch, 6, partial_collectives="dcp", keep=ranks
+    )
+    assert max_error(outputs, batch, CPU) < TOLERANCE
+    for rank in ranks:
+        impl = rank["layer"].impl  # type: ignore[attr-defined]
+        assert impl.dcp_world_size == 4
+        assert isinstance(impl.dcp_combine, ReplicaMaskedCombine)

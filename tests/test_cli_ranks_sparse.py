@@ -33,9 +33,7 @@ whose selection is wrong).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -43,12 +41,13 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.ranks import ranks_run as _ranks_run
 from vllm_dcp_geometry.contract.layer_classes import (
     DEEPSEEK_V32_ATTENTION,
     DEEPSEEK_V32_INDEXER_CACHE,
 )
-from vllm_dcp_geometry.tooling.cli import EXIT_OK, EXIT_VIOLATION, main
-from vllm_dcp_geometry.tooling.cli.ranks import cases, results, run, shapes
+from vllm_dcp_geometry.tooling.cli import EXIT_OK, EXIT_VIOLATION
+from vllm_dcp_geometry.tooling.cli.ranks import cases, results, shapes
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
 from vllm_dcp_geometry.tooling.topology import load_profile, topology_from_mapping
 
@@ -69,23 +68,6 @@ BLOCK = 16
 HEADS = 8  # query heads across TP: 2 per rank at D = 4
 L, R = 512, 64
 PROFILE = "deepseek-v32-tp8-dcp8"
-
-
-def _ranks_run(*args: str) -> dict[str, Any]:
-    """``ranks ... --json``: its exit code, report and the workers' results
-    as the launcher returned them (the patched run's)."""
-    launched: list[Any] = []
-    launch = run.launch
-
-    def keep(*a: Any, **k: Any) -> Any:
-        launched.append(launch(*a, **k))
-        return launched[-1]
-
-    out = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
-        patch.setattr(run, "launch", keep)
-        code = main(["ranks", *args, "--json", "--no-progress"])
-    return {"code": code, "report": json.loads(out.getvalue()), "launched": launched}
 
 
 def _layer(index: int, name: str, k: int, topk: int = TOPK) -> list[dict[str, Any]]:

@@ -334,13 +334,16 @@ def test_the_rest_applies_without_each_removal_group() -> None:
 
     groups = removal_groups()
     assert (PREFIX + "worker.block_table", PREFIX + "worker.gpu_model_runner") in groups
-    # The MLA patches: dense and sparse MLA, their DCP manager and replica
-    # groups, and the DSA indexer (its merge and call share the replica).
-    mla = tuple(
+    # The replica patches: dense and sparse MLA, their DCP manager, the DSA
+    # indexer (its merge and call share the replica), FlashAttention and
+    # FlashInfer, with the replica groups they collective within.
+    replica = tuple(
         sorted(
             PREFIX + p
             for p in (
                 "worker.deepseek_v32_attention",
+                "worker.flash_attn",
+                "worker.flashinfer",
                 "worker.flashmla_sparse",
                 "worker.gpu_worker",
                 "worker.kimi_k3_mla",
@@ -353,9 +356,9 @@ def test_the_rest_applies_without_each_removal_group() -> None:
             )
         )
     )
-    assert mla in groups
-    # The two runner pairs and the MLA ten; the rest alone.
-    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 9
+    assert replica in groups
+    # The two runner pairs and the replica twelve; the rest alone.
+    assert len(groups) == len(PATCH_MODULES) - 1 - 1 - 11
     results = run_fresh_python(
         ["-c", CPU_PRELUDE + WITHOUT_EACH_GROUP, json.dumps(groups)],
         patched=False,

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.tooling.topology import (
     TopologyError,
@@ -110,32 +109,28 @@ def test_partial_collectives_dcp_keeps_the_partial_group_d_wide(capsys, tmp_path
     assert groups["draft"]["attention_work_vs_sharded"] == 1.0
 
 
-def test_flash_attention_partial_group_stays_d_wide(capsys):
+def test_flash_attention_partial_group_runs_within_its_replica(capsys):
     groups = plan_groups(capsys, "--profile", "partial-shard-tp8-dcp8")
     k4 = groups["attn.k4"]
     assert k4["attention_backend"] == "FLASH_ATTN"
-    assert k4["shard_count"] == 4 and k4["collective_world_size"] == 8
-    assert k4["attention_work_vs_sharded"] == 2.0
+    assert k4["shard_count"] == 4 and k4["collective_world_size"] == 4
+    assert k4["attention_work_vs_sharded"] == 1.0
     # 64 query heads at TP8 (8 a rank) of 128 dims in bfloat16: queries and
-    # outputs of h*128*2 bytes, LSEs of W*h*4.
-    h, d, w = 8, 128, 8
-    expected = 2 * (w - 1) * (h * d * 2 + w * h * 4 + h * d * 2)
-    assert k4["decode_collective_bytes_per_rank_per_token"] == expected
-    assert k4["dcp_group_bytes_per_rank_per_token"] == expected
+    # outputs of h*128*2 bytes, LSEs of W*h*4; the D-wide alternative at 8.
+    h, d = 8, 128
+
+    def ring(w: int) -> int:
+        return 2 * (w - 1) * (h * d * 2 + w * h * 4 + h * d * 2)
+
+    assert k4["decode_collective_bytes_per_rank_per_token"] == ring(4)
+    assert k4["dcp_group_bytes_per_rank_per_token"] == ring(8)
+    assert k4["dcp_group_attention_work_vs_sharded"] == 2.0
     assert groups["attn.k8"]["collective_world_size"] == 8
     assert groups["draft"]["collective_world_size"] == 1
-    # Said why, for the partial group only (the others have nothing to keep).
-    assert k4["d_wide_reason"] == D_WIDE_PARTIAL_REASON
-    assert [n for n, g in groups.items() if g["d_wide_reason"]] == ["attn.k4"]
-    assert main(["plan", "--profile", "partial-shard-tp8-dcp8"]) == EXIT_OK
-    text = capsys.readouterr().out
-    assert (
-        "D-wide although partial_collectives=replica (FLASH_ATTN: "
-        f"{D_WIDE_PARTIAL_REASON}): attn.k4"
-    ) in text
+    assert "d_wide_reason" not in k4
 
 
-def test_choosing_the_d_wide_group_needs_no_reason(capsys, tmp_path):
+def test_choosing_the_d_wide_group(capsys, tmp_path):
     path = profile_toml(
         "partial-shard-tp8-dcp8",
         tmp_path,
@@ -143,7 +138,7 @@ def test_choosing_the_d_wide_group_needs_no_reason(capsys, tmp_path):
     )
     groups = plan_groups(capsys, "-t", path)
     assert groups["attn.k4"]["collective_world_size"] == 8
-    assert not any(g["d_wide_reason"] for g in groups.values())
+    assert groups["attn.k4"]["attention_work_vs_sharded"] == 2.0
 
 
 def test_text_output_has_a_cost_table(capsys):

@@ -251,6 +251,13 @@ def test_latency_objective_takes_the_fastest_point(run_cli) -> None:
     fastest = min(e["step_seconds"] for e in result["frontier"])
     assert result["recommended"]["step_seconds"] == fastest
     assert result["recommended"]["shard_counts"]["full"] == 1
+    # The full layers' partial K collective within their replica (rule A6):
+    # K = 2 and 4 are on the frontier, each moving fewer bytes per token
+    # than K = 8 (on the D-wide group they moved K = 8's and were dominated).
+    by_k = {e["shard_counts"]["full"]: e for e in result["frontier"]}
+    assert {2, 4, 8} <= set(by_k)
+    moved = {k: by_k[k]["collective_bytes_per_token_per_rank"] for k in (2, 4, 8)}
+    assert 0 < moved[2] < moved[4] < moved[8]
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,11 @@ def channel_problems(channels: Any) -> list[str]:
                     f"{channel.setter}: {path} uses neither {channel.setter} nor "
                     f"{channel.getter}"
                 )
-        for writer in channel.writers:
+        for writer in sorted(set(channel.self_fed) - set(channel.readers)):
+            problems.append(
+                f"{channel.setter}: {writer} is self-fed but does not read it"
+            )
+        for writer in set(channel.writers) - set(channel.self_fed):
             for reader in set(channel.readers) - set(channel.writers):
                 partners = declarations()[PREFIX + writer].remove_with
                 if reader not in partners:
@@ -163,4 +167,27 @@ def test_the_channel_check_catches_a_shared_writer_that_does_not_write() -> None
     assert (
         "use_group_geometry: writer worker.flash_attn never uses use_group_geometry"
         in channel_problems((no_via,))
+    )
+
+
+def test_a_self_fed_writer_goes_with_no_other_reader_and_must_read() -> None:
+    """FlashAttention and FlashInfer hold the replica only for their own
+    module's getter, so they are not removed with the MLA readers; a writer declared self-fed that
+    does not read, or a self-fed declaration dropped, is caught."""
+    import dataclasses
+
+    from vllm_dcp_geometry.runtime.group_context import CHANNELS
+
+    replica = CHANNELS[-1]
+    assert replica.self_fed == ("worker.flash_attn", "worker.flashinfer")
+    not_self_fed = dataclasses.replace(replica, self_fed=())
+    assert (
+        "use_replica_group: worker.flash_attn is not removed with "
+        "worker.mla_dcp_manager"
+    ) in channel_problems((not_self_fed,))
+    not_reading = dataclasses.replace(
+        replica, self_fed=("worker.mla_indexer",), readers=replica.readers
+    )
+    assert channel_problems((not_reading,))[0] == (
+        "use_replica_group: worker.mla_indexer is self-fed but does not read it"
     )

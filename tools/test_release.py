@@ -10,8 +10,9 @@ Makes (or reuses) ``.venv-<release>`` beside ``.venv`` with this checkout and
 that vLLM release installed by uv, then runs pytest there. By default it runs
 every test that exercises a patch and every test written for particular
 releases, less the demonstrations that a checker fails on unpatched vLLM
-(``-m "(patches or vllm_releases) and not unpatched_baseline"``: the whole
-suite shows those once), on a worker per core as the
+and the runs that repeat at more ranks what a smaller run shows
+(``-m "(patches or vllm_releases) and not unpatched_baseline and not
+larger_repeat"``: the whole suite shows those once), on a worker per core as the
 README's test command does; arguments after ``--`` replace that.
 ``tools/release_overrides/vllm-<release>.txt``, where present, holds the
 requirement overrides the package index these machines reach needs
@@ -30,9 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = ROOT / "tools" / "release_overrides"
-RELEASE_TESTS = "(patches or vllm_releases) and not unpatched_baseline"
+RELEASE_TESTS = (
+    "(patches or vllm_releases) and not unpatched_baseline and not larger_repeat"
+)
 """Every test that exercises a patch, and every test written for particular
-releases."""
+releases, less the demonstrations on unpatched vLLM and the larger repeats
+of what it runs smaller."""
 PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
 """As the README's test command runs the suite: a worker per core, up to 4,
 each test file on one worker (its module fixtures built once)."""

@@ -15,7 +15,8 @@ import inspect
 import json
 import tempfile
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,36 @@ def set_dcp_group(monkeypatch: pytest.MonkeyPatch, world_size: int, rank: int) -
     if world_size > 1:
         group = types.SimpleNamespace(world_size=world_size, rank_in_group=rank)
     monkeypatch.setattr(parallel_state, "_DCP", group)
+
+
+@contextmanager
+def replica_groups_for(shard_counts: Sequence[int]) -> Iterator[None]:
+    """The plugin's replica groups of the stand-in DCP group's rank (what
+    ``Worker.init_device`` makes for every partial K): K ranks, this rank at
+    ``r % K``. Builders and impls read only their world, rank and ranks
+    here; no collective runs."""
+    from vllm.distributed import parallel_state
+
+    from vllm_dcp_geometry.contract import GroupGeometry
+    from vllm_dcp_geometry.runtime import replica_groups
+
+    dcp = parallel_state._DCP
+    made = replica_groups._REPLICA_GROUPS
+    saved = dict(made)
+    for k in shard_counts:
+        geometry = GroupGeometry("replica", k, dcp.world_size, dcp.rank_in_group)
+        group = types.SimpleNamespace(
+            world_size=k,
+            rank_in_group=geometry.shard,
+            ranks=list(geometry.replica_dcp_ranks),
+        )
+        setattr(group, replica_groups.MADE_FOR_ATTR, dcp)
+        made[k] = group
+    try:
+        yield
+    finally:
+        made.clear()
+        made.update(saved)
 
 
 def make_attention_layer(vllm_config: Any, name: str, backend: Any) -> Any:

@@ -10,8 +10,9 @@ the group's K), real metadata from that builder, and a paged cache written
 with the contract's slot mapping for its shard. The real
 ``FlashAttentionImpl.forward`` runs on every rank in cooperative threads
 (``tests.support.mla``): only the DCP collectives are simulated. On CPU the
-FlashAttention kernel (no CPU build) is ``varlen_attention``, a float64
-stand-in that honours ``s_aux`` as FlashAttention does; on a CUDA device
+FlashAttention kernel (no CPU build) is the tooling's ``varlen_attention``
+(``flash_attn_stand_ins``), a float64 stand-in that honours ``s_aux`` as
+FlashAttention does; on a CUDA device
 (``Setup.on_device``) every kernel is the real one. Importable without the
 plugin.
 """
@@ -25,9 +26,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.mla import CooperativeRanks, SimulatedGroup
+from tests.support.mla import CooperativeRanks, SimulatedGroup, replica_groups_of
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
+from vllm_dcp_geometry.tooling.flash_attn_stand_ins import varlen_attention
 
 HEADS = 2  # query heads per rank, one KV head (gpt-oss at TP32: 2 and 1)
 # (context, new tokens), decodes first as vLLM orders a batch: decodes over
@@ -71,65 +73,6 @@ GPU = Setup(
     device="cuda",
     dtype=torch.bfloat16,
 )
-
-
-def varlen_attention(
-    *,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    cu_seqlens_k: torch.Tensor | None = None,
-    seqused_k: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    return_softmax_lse: bool = False,
-    s_aux: torch.Tensor | None = None,
-    alibi_slopes: Any = None,
-    window_size: Any = None,
-    softcap: float = 0,
-    mask_mod: Any = None,
-    **_: Any,
-) -> Any:
-    """FlashAttention's varlen contract in float64: ragged queries over
-    ragged keys (``cu_seqlens_k``) or a paged cache (``block_table``,
-    ``seqused_k``), causal aligned bottom-right, GQA, the LSE ``[H, T]``
-    (``-inf`` for a row with no keys, output 0), and ``s_aux`` sinks in the
-    denominator of every row."""
-    assert alibi_slopes is None and not softcap and mask_mod is None
-    assert window_size in (None, [-1, -1])
-    heads, kv_heads = q.shape[1], k.shape[-2]
-    lse = torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float32)
-    for i in range(cu_seqlens_q.numel() - 1):
-        start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        if block_table is None:
-            assert cu_seqlens_k is not None
-            ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-            keys, values = k[ks:ke], v[ks:ke]
-        else:
-            assert seqused_k is not None
-            j = torch.arange(int(seqused_k[i]))
-            blocks = block_table[i, j // k.shape[1]].long()
-            keys, values = k[blocks, j % k.shape[1]], v[blocks, j % k.shape[1]]
-        keys = keys.double().repeat_interleave(heads // kv_heads, dim=1)
-        values = values.double().repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("thd,nhd->htn", q[start:end].double(), keys)
-        scores = scores * softmax_scale
-        if causal:
-            n, t = keys.shape[0], end - start
-            allowed = torch.arange(n)[None, :] <= torch.arange(t)[:, None] + n - t
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        denominator = scores
-        if s_aux is not None:
-            sinks = s_aux.double()[:, None, None].expand(heads, end - start, 1)
-            denominator = torch.cat([scores, sinks], dim=-1)
-        row_lse = torch.logsumexp(denominator, dim=-1)
-        weights = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
-        out[start:end] = torch.einsum("htn,nhd->thd", weights, values).to(out.dtype)
-        lse[:, start:end] = row_lse.float()
-    return (out, lse) if return_softmax_lse else out
 
 
 @dataclass
@@ -264,8 +207,14 @@ def run_ranks(
     batch: Batch,
     seed: int,
     setup: Setup = CPU,
+    *,
+    partial_collectives: str | None = None,
+    keep: list[dict[str, Any]] | None = None,
 ) -> list[torch.Tensor]:
-    """Every rank's output for its own heads, from the real forward."""
+    """Every rank's output for its own heads, from the real forward. A
+    partial K runs within simulated replica groups unless
+    ``partial_collectives`` is ``"dcp"``; ``keep`` receives every rank's
+    layer, builder metadata and groups."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.model_executor.layers.attention.attention import Attention
@@ -288,7 +237,18 @@ def run_ranks(
     )
 
     dtype = str(setup.dtype).removeprefix("torch.")
-    vllm_config = make_vllm_config(dcp, tp=16, model_dir=_model_dir(), dtype=dtype)
+    additional = (
+        None
+        if partial_collectives is None
+        else {"dcp_geometry": {"partial_collectives": partial_collectives}}
+    )
+    vllm_config = make_vllm_config(
+        dcp,
+        tp=16,
+        model_dir=_model_dir(),
+        dtype=dtype,
+        additional_config=additional,
+    )
     requests = batch.requests
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(setup.num_blocks, generator=gen)
@@ -323,9 +283,14 @@ def run_ranks(
         [v[c:] for v, (c, _) in zip(batch.values, requests, strict=True)]
     )
 
+    coop = CooperativeRanks(dcp)
+    # A partial group runs within its replica (rule A6, the default).
+    replicas = [shard_count] if 1 < shard_count < dcp else []
+    if partial_collectives == "dcp":
+        replicas = []
     ranks: list[dict[str, Any]] = []
     for r in range(dcp):
-        group = SimulatedGroup(None, dcp, r)
+        group = SimulatedGroup(coop, dcp, r)
         monkeypatch.setattr(parallel_state, "_DCP", group)
         name = f"model.layers.{r}.self_attn.attn"
         heads = slice(r * HEADS, (r + 1) * HEADS)
@@ -345,9 +310,10 @@ def run_ranks(
         attention_group = AttentionGroup(
             flash_attn.FlashAttentionBackend, [name], _spec(setup, dcp, shard_count), 0
         )
-        attention_group.create_metadata_builders(
-            vllm_config, torch.device(setup.device)
-        )
+        with replica_groups_of(group, replicas):
+            attention_group.create_metadata_builders(
+                vllm_config, torch.device(setup.device)
+            )
         (builder,) = attention_group.metadata_builders
         shard = GroupGeometry("sinks", shard_count, dcp, r).shard
         ranks.append(
@@ -364,11 +330,10 @@ def run_ranks(
             }
         )
 
-    coop = CooperativeRanks(dcp)
     local = threading.local()
-    for rank in ranks:
-        rank["group"].coop = coop
-    monkeypatch.setattr(flash_attn, "get_dcp_group", lambda: local.group)
+    # vLLM's get_dcp_group reads this at every call (the plugin's wrapper of
+    # the module's getter answers a bound replica first): each thread's own.
+    monkeypatch.setattr(parallel_state, "_DCP", ThreadLocalGroup(local))
 
     def forward(r: int) -> torch.Tensor:
         rank = ranks[r]
@@ -386,7 +351,19 @@ def run_ranks(
         )
         return output
 
+    if keep is not None:
+        keep.extend(ranks)
     return coop.run(forward)
+
+
+class ThreadLocalGroup:
+    """The DCP group as each rank's thread sees it (``local.group``)."""
+
+    def __init__(self, local: threading.local) -> None:
+        self._local = local
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._local.group, name)
 
 
 def _model_dir() -> Any:

@@ -11,10 +11,11 @@ the DCP modes that matter, one of:
   plain single-device attention: no query all-gather, no LSE combine.
 - ``dcp``: K = D. vLLM's own DCP attention, untouched.
 - ``dcp-partial``: 1 < K < D. The backend reads the rank's shard ``r % K``
-  with the group's local lengths and combines exactly: a dense MLA backend
-  within the rank's K-rank replica group (rule A6,
-  ``attention_backends.collectives_within_replica``), the others over the
-  D-wide DCP group with duplicate replicas weighing 0.
+  with the group's local lengths and combines exactly: within the rank's
+  K-rank replica group (rule A6,
+  ``attention_backends.collectives_within_replica``), or, with
+  ``partial_collectives: "dcp"``, over the D-wide DCP group with duplicate
+  replicas weighing 0.
 - ``refused``: the layer class or the backend cannot honour K; ``reason`` is
   the one-line start-up error naming the group, layer, layer class, backend,
   K and D (and, for a class or backend refused by name, its model and why).

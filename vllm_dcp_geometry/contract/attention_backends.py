@@ -60,51 +60,21 @@ class TaughtBackend:
     kind). The sparse backends' top-k comes from their layer's indexer call,
     which only the taught DeepSeek-V3.2 layer hands the group's K."""
 
-    @property
-    def replica_collectives(self) -> bool:
-        """Whether a partial group on it runs its collectives within its
-        K-rank replica (rule A6): the dense and sparse MLA builders and the
-        DSA indexer's, whose patches bind the replica group; FlashAttention
-        and FlashInfer stay on the D-wide group."""
-        return self.patch in _REPLICA_PATCHES
-
 
 _BACKENDS = "vllm.v1.attention.backends."
 _MLA_PATCH = "worker.mla_attention"
 _SPARSE_PATCH = "worker.sparse_mla_attention"
 _SPARSE_LAYERS = frozenset({DEEPSEEK_V32_ATTENTION})
-_REPLICA_PATCHES = frozenset(
-    {_MLA_PATCH, _SPARSE_PATCH, "worker.flashmla_sparse", "worker.mla_indexer"}
-)
-
-
-D_WIDE_PARTIAL_REASON = (
-    "its impl takes the collective group from its module's get_dcp_group in "
-    "every forward and sizes gathered-head plans and workspaces from the "
-    "impl's D; the plugin does not yet bind it to a replica group, so its "
-    "partial groups keep the D-wide collectives (exact: duplicate replicas "
-    "weigh 0) and their D-rank traffic"
-)
-"""Why a taught backend without ``replica_collectives`` (FlashAttention,
-FlashInfer) keeps the D-wide path for partial groups: said by ``plan`` and
-in the start-up log."""
-
-
-def d_wide_partial_reason(backend: str | None) -> str | None:
-    """``D_WIDE_PARTIAL_REASON`` for a taught backend that keeps partial
-    groups on the D-wide group, else None."""
-    taught = TAUGHT_BACKENDS.get(backend or "")
-    if taught is None or taught.replica_collectives:
-        return None
-    return D_WIDE_PARTIAL_REASON
 
 
 def collectives_within_replica(backend: str | None) -> bool:
     """Rule A6 for a backend name: its partial groups collective within
-    their replica (``TaughtBackend.replica_collectives``) where the operator
-    keeps the default ``partial_collectives``."""
-    taught = TAUGHT_BACKENDS.get(backend or "")
-    return taught is not None and taught.replica_collectives
+    their replica where the operator keeps the default
+    ``partial_collectives``. Every taught backend's patch binds the replica
+    group (FlashAttention and FlashInfer bind the impls' forward to it, the
+    MLA ones their layers' DCP managers); an untaught backend runs only
+    vLLM's own K, never a partial group."""
+    return (backend or "") in TAUGHT_BACKENDS
 
 
 TAUGHT_BACKENDS: dict[str, TaughtBackend] = {

@@ -25,21 +25,27 @@ inner wrappers hand straight back to upstream. There are exactly five:
     built for.
 
 ``use_replica_group`` / ``current_replica_group``
-    Set by the MLA, sparse MLA and DSA indexer builder patches while a
-    partial group whose collectives stay within its replica (rule A6) is
-    bound and its upstream builder code runs
-    (``MLACommonMetadataBuilder.__init__`` and ``.build``,
+    Set by the FlashAttention, FlashInfer, MLA, sparse MLA and DSA indexer
+    builder patches while a partial group whose collectives stay within its replica
+    (rule A6) is bound and its upstream builder code runs
+    (``FlashAttentionMetadataBuilder.__init__``,
+    ``FlashInferMetadataBuilder.__init__`` and ``.build``,
+    ``MLACommonMetadataBuilder.__init__`` and ``.build``,
     ``SparseMLACommonMetadataBuilder.__init__`` and its context planning,
     ``DeepseekV32IndexerMetadataBuilder.__init__``), by the layer binding
     while it makes the layer's replica ``MLADCPManager``, and by
-    DeepSeek-V3.2's indexer call of a cache bound in its replica. Read by
-    the MLA, sparse MLA, DCP ops and indexer modules' ``get_dcp_group``,
-    which then answer the group's replica ``GroupCoordinator`` (K ranks), by
+    DeepSeek-V3.2's indexer call of a cache bound in its replica, and around
+    every forward of an attention impl bound in its replica
+    (``impl_binding.ReplicaForward``). Read by the FlashAttention,
+    FlashInfer, MLA, sparse MLA, DCP ops and indexer modules'
+    ``get_dcp_group``, which then answer the group's replica
+    ``GroupCoordinator`` (K ranks), by
     ``build_mla_chunked_context_metadata`` (which then plans as for a
     sharded group of K), by the MLA layer binding, the indexer cache binding
-    and the top-k merge. Why: upstream's MLA builders, DCP manager and top-k
-    merge take their collective group from ``get_dcp_group()``, which has no
-    notion of a group's replica.
+    and the top-k merge. Why: upstream's MLA builders, DCP manager, top-k
+    merge and FlashAttention's and FlashInfer's DCP paths take their
+    collective group from ``get_dcp_group()``, which has no notion of a
+    group's replica.
 
 ``pending_block_table_layout`` / ``pending_layout``
     Set by Model Runner V1's ``may_reinitialize_input_batch``; read by
@@ -91,8 +97,8 @@ class SideChannel:
     patches that write and read it, and what the reader takes from it.
 
     Writer and reader patches must be removed together (their
-    ``Patch.remove_with``); a test checks that each writer calls ``setter`` and each
-    reader ``getter``."""
+    ``Patch.remove_with``; a ``self_fed`` writer with itself); a test checks
+    that each writer calls ``setter`` and each reader ``getter``."""
 
     setter: str
     getter: str
@@ -106,6 +112,9 @@ class SideChannel:
     """``module.function`` of shared code (under ``vllm_dcp_geometry.runtime``)
     that sets or reads it on the patches' behalf (a patch calling one of them
     writes or reads it)."""
+    self_fed: tuple[str, ...] = ()
+    """Writers whose value only their own module's reader takes (no other
+    reader is reached while they hold it), so they go with no other reader."""
 
 
 _BUILDERS = (
@@ -163,30 +172,42 @@ CHANNELS: tuple[SideChannel, ...] = (
         "use_replica_group",
         "current_replica_group",
         (
+            "worker.flash_attn",
+            "worker.flashinfer",
             "worker.mla_attention",
             "worker.sparse_mla_attention",
             "worker.mla_indexer",
             "worker.deepseek_v32_attention",
         ),
         (
+            "worker.flash_attn",
+            "worker.flashinfer",
             "worker.mla_attention",
             "worker.mla_dcp_manager",
             "worker.sparse_mla_attention",
             "worker.sparse_attn_indexer",
             "worker.deepseek_v32_attention",
         ),
-        "the MLA, sparse MLA and DSA indexer builders of a partial group whose "
-        "collectives stay within its replica, while it is bound and built; "
-        "DeepSeek-V3.2's indexer call of such a cache",
-        "MLA's, sparse MLA's, the DCP ops' and the indexer's `get_dcp_group` "
-        "answer the replica group (K ranks), the context chunks are planned as "
-        "for K sharded ranks, the layer binding gives the layer a replica DCP "
-        "manager, and the top-k merge gathers over the replica",
+        "the FlashAttention, FlashInfer, MLA, sparse MLA and DSA indexer "
+        "builders of a partial group whose collectives stay within its replica, "
+        "while it is bound and built; every forward of an attention impl bound "
+        "in its replica; DeepSeek-V3.2's indexer call of such a cache",
+        "FlashAttention's, FlashInfer's, MLA's, sparse MLA's, the DCP ops' and "
+        "the indexer's "
+        "`get_dcp_group` answer the replica group (K ranks), the context "
+        "chunks are planned as for K sharded ranks, the layer binding gives "
+        "the layer a replica DCP manager (an impl its replica forward), and "
+        "the top-k merge gathers over the replica",
         via=(
             "metadata_builders.builder_init",
+            "impl_binding.bind_impl_to_group",
             "mla_geometry.bind_mla_layer",
             "mla_geometry.make_group_getter",
         ),
+        # FlashAttention's and FlashInfer's builders and DCP paths reach no
+        # other module's get_dcp_group: their combines are handed the group
+        # their own module's getter gave.
+        self_fed=("worker.flash_attn", "worker.flashinfer"),
     ),
 )
 """Every side channel: the README's side-channel table is made from these."""
@@ -291,9 +312,10 @@ use_replica_group, current_replica_group = side_channel(
     "use_replica_group",
     "current_replica_group",
     setter_doc="Make ``coordinator`` (a partial group's replica "
-    "``GroupCoordinator``) the collective group the patched MLA helpers "
-    "answer, for the duration of one binding or upstream builder call.",
-    getter_doc="The replica group of the partial MLA group being built, or None.",
+    "``GroupCoordinator``) the collective group the patched helpers "
+    "answer, for the duration of one binding, upstream builder call or "
+    "replica-bound forward.",
+    getter_doc="The replica group of the partial group being built or run, or None.",
 )
 
 use_indexer_geometry: ChannelWriter[GroupGeometry]

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
-from vllm_dcp_geometry.contract.attention_backends import D_WIDE_PARTIAL_REASON
-from vllm_dcp_geometry.contract.collectives import REPLICA
-from vllm_dcp_geometry.contract.overrides import partial_collectives
 from vllm_dcp_geometry.runtime.group_context import (
     current_group_geometry,
     use_group_geometry,
@@ -40,9 +36,6 @@ from vllm_dcp_geometry.runtime.worker_admission import admit_builder
 
 if TYPE_CHECKING:
     import torch
-
-logger = logging.getLogger("vllm_dcp_geometry")
-
 
 LOCAL_SEQ_LENS_BUFFER_ATTR = "_vllm_dcp_geometry_local_seq_lens"
 """A partial group's builder: persistent buffer of the group's local lengths."""
@@ -176,17 +169,6 @@ class _BuilderConstruction:
     def on_dcp_group(self, builder: Any) -> None:
         """Any other admitted group: its collectives run over vLLM's D ranks."""
         geometry, teaching = self.geometry, self.teaching
-        if (
-            geometry.is_partial
-            and teaching.replica_group is None
-            and partial_collectives(self.vllm_config.additional_config) == REPLICA
-        ):
-            logger.info(
-                "%s: %s keeps the D-wide collectives: %s",
-                geometry.describe(),
-                type(builder).__name__,
-                D_WIDE_PARTIAL_REASON,
-            )
         if teaching.construct_in_group(geometry):
             with use_group_geometry(geometry):
                 self.construct()

@@ -82,11 +82,11 @@ class ShardWorldGroup:
 
 def make_group_getter(original: Callable[[], Any]) -> Callable[[], Any]:
     """Wrapper factory for a module's ``get_dcp_group`` (MLA's, the DCP
-    ops'): the partial group's replica ``GroupCoordinator`` while one is
-    bound or built within its replica (``group_context.use_replica_group``),
-    a world of 1 (``ShardWorldGroup``) while a replicated group's builder is
-    being built (``group_context.use_group_geometry``), upstream's group
-    otherwise."""
+    ops', FlashAttention's, FlashInfer's): the partial group's replica
+    ``GroupCoordinator`` while one is bound, built or run within its
+    replica (``group_context.use_replica_group``), a world of 1
+    (``ShardWorldGroup``) while a replicated group's builder is being built
+    (``group_context.use_group_geometry``), upstream's group otherwise."""
 
     def get_dcp_group() -> Any:
         replica = current_replica_group()

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""The replica process groups of partial MLA groups on this worker (rule A6).
+"""The replica process groups of partial groups on this worker (rule A6): the
+MLA (dense, sparse, indexer) and FlashAttention groups collective within them.
 
 Every worker calls ``make_replica_groups`` right after vLLM initialises its
 distributed state (``Worker.init_device``), before the memory profile, whose
@@ -13,7 +14,8 @@ over every replica rank list of every DCP group (the DCP group's
 ``group_ranks``, split by ``collectives.replica_rank_lists``), made by vLLM's
 own ``init_model_parallel_group`` with the DCP group's backend, so it has the
 device communicator a DCP group has. This rank's replica is kept per K for
-the MLA builders and layers of partial groups (``replica_group``), which
+the MLA and FlashAttention builders and layers of partial groups
+(``replica_group``), which
 check it against their geometry. A K no override names (a model setting
 ``dcp_kv_shard_count`` itself) has no replica group: its builder refuses to
 start, naming the way out. vLLM's ``destroy_model_parallel`` (wrapped by
@@ -85,11 +87,11 @@ def create_replica_groups(shard_counts: Sequence[int]) -> dict[int, Any]:
 
 def replica_shard_counts(vllm_config: Any) -> tuple[int, ...]:
     """The partial K (1 < K < D) the operator's overrides can give a layer,
-    ascending, where partial MLA groups collective within their replica;
+    ascending, where partial groups collective within their replica;
     empty at D = 1, without such an override, or with
     ``partial_collectives: "dcp"``. Read from the configuration alone, so
-    the same on every worker; a K only non-MLA layers take gets a group that
-    nothing uses."""
+    the same on every worker; a K only FlashInfer layers take gets a group
+    that nothing uses."""
     from vllm_dcp_geometry.contract.overrides import parse_overrides
 
     dcp = vllm_config.parallel_config.decode_context_parallel_size

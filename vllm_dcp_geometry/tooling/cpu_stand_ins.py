@@ -26,8 +26,9 @@ What else a CPU lacks is stood in for by what it stands in for, each module
 naming what the GPU runs instead: ``custom_op_stand_ins`` (vLLM's ``_C``
 cache ops), ``kimi_k3_stand_ins`` (Kimi-K3's fused epilogues),
 ``sparse_stand_ins`` (DeepSeek-V3.2's CuteDSL selector and FlashMLA's sparse
-kernels) and ``planning_stand_ins`` (what a meta-device planning build binds
-but never runs).
+kernels), ``flash_attn_stand_ins`` (FlashAttention's kernel, KV write and
+version detection) and ``planning_stand_ins`` (what a meta-device planning
+build binds but never runs).
 
 ``install_cpu_stand_ins`` assigns rather than going through the patch
 framework's ``wrap``: a stand-in replaces what is missing (there is no

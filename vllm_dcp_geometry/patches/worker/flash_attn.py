@@ -19,10 +19,20 @@ Where K < D the constructor first admits the group
 (``attention_admission.admit_attention``; a refusal names group, backend, K
 and D). It also binds the group's attention impls (created with the
 model, before any spec existed): K = 1 runs plain local attention (no query
-all-gather, no LSE combine); 1 < K < D keeps the D-rank all-gather and combine
-but masks duplicate replicas (``q = r // K != 0``) to LSE = -inf, so each shard
+all-gather, no LSE combine); 1 < K < D runs within its K-rank replica
+(rule A6, the default ``partial_collectives``): the builder is constructed
+and the impls bound with the replica's ``GroupCoordinator`` held
+(``replica_groups.operator_replica_group``), each impl takes ``(K, r % K)``
+and runs every forward within the replica
+(``impl_binding.bind_impl_within_replica``), and the module's
+``get_dcp_group`` then answers the replica, so the query all-gather (K x H
+heads, the workspace and scheduler plan sized for them) and the LSE combine
+span the K ranks holding one copy of every position. With
+``partial_collectives: "dcp"`` the D-rank all-gather and combine stay, with
+duplicate replicas (``q = r // K != 0``) masked to LSE = -inf, so each shard
 is counted once and the combined LSE that is merged with new-token attention
-is exact (see ``impl_binding.mask_duplicate_replica_lse``).
+is exact (see ``impl_binding.mask_duplicate_replica_lse``); the scheduler
+plan then counts the queries of all D ranks.
 
 The global ``dcp_local_seq_lens`` of the runners (V1 ``gpu_model_runner``, V2
 ``gpu/cp_utils``/``gpu/attn_utils``) is left untouched: this builder never
@@ -65,20 +75,24 @@ from typing import Any
 
 from vllm_dcp_geometry.contract import GroupGeometry
 from vllm_dcp_geometry.runtime.attention_sinks import sink_folding_kernel
+from vllm_dcp_geometry.runtime.group_context import current_replica_group
 from vllm_dcp_geometry.runtime.metadata_builders import (
     BuilderTeaching,
     builder_init,
     group_world_getter,
 )
+from vllm_dcp_geometry.runtime.mla_geometry import make_group_getter
 from vllm_dcp_geometry.runtime.patching import Patch, Pin, Wrap
+from vllm_dcp_geometry.runtime.replica_groups import operator_replica_group
 from vllm_dcp_geometry.runtime.upstream_symbols import require_global_call
 
 
 def _scale_gathered_heads(
     builder: Any, geometry: GroupGeometry, vllm_config: Any, device: Any
 ) -> None:
-    if geometry.is_partial:
-        # The DCP context pass attends with the queries of all D ranks.
+    if geometry.is_partial and current_replica_group() is None:
+        # On the D-wide group the DCP context pass attends with the queries
+        # of all D ranks; within its replica, with the K it was built with.
         builder.num_heads_q *= geometry.replica_count
 
 
@@ -89,6 +103,7 @@ BUILDER_TEACHING = BuilderTeaching(
     # vLLM's own K = D: its DCP path still drops the mask_mods, which
     # admission refuses for the layers using them.
     admit_vllm_default=True,
+    replica_group=operator_replica_group,
 )
 
 
@@ -125,6 +140,9 @@ PATCH = Patch(
             "enabled=",
             group_world_getter(lambda geometry: True),
         ),
+        # Within a partial group's replica (its impls' forward, bound at
+        # construction) the DCP path gathers and combines over the replica.
+        Wrap("get_dcp_group", "", make_group_getter),
         Wrap(
             "FlashAttentionMetadataBuilder.__init__",
             "self, kv_cache_spec, layer_names, vllm_config, device",
@@ -154,11 +172,14 @@ PATCH = Patch(
             "seqlens, max_seq_len, causal, max_num_splits",
         ),
     ),
+    # The replica groups a partial group's collectives stay within.
+    remove_with=("worker.gpu_worker",),
     why=(
         "FlashAttention builders take DCP (D, r) from the boolean dcp_sharded and "
         "impls take the global D; partial and replicated groups need (K, r % K), "
-        "local attention for K = 1 and an exact LSE combine for 1 < K < D; the "
-        "DCP path runs its kernels without the layer's attention sinks."
+        "local attention for K = 1 and, for 1 < K < D, collectives within the "
+        "K-rank replica (or an exact masked LSE combine on the D-wide group); "
+        "the DCP path runs its kernels without the layer's attention sinks."
     ),
     remove_when=(
         "upstream FlashAttention takes a per-group DCP shard count and passes "

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """Patch ``vllm.v1.worker.gpu_worker``: every worker makes the replica process
-groups of partial MLA groups once its distributed state exists (rule A6).
+groups of partial MLA, FlashAttention and FlashInfer groups once its
+distributed state exists (rule A6).
 
 What: wraps ``Worker.init_device``. After upstream's (which initialises
 vLLM's distributed state), ``replica_groups.make_replica_groups`` makes the
@@ -24,13 +25,15 @@ reads it on every worker).
 
 Graph capture, custom all-reduce, a2a: vLLM's ``graph_capture`` enters the
 TP, PP and DP groups' capture contexts only, not the DCP group's, and the
-MLA DCP paths (all-gather / reduce-scatter, or all-to-all) use no
+MLA, FlashAttention and FlashInfer DCP paths (all-gather / reduce-scatter, or
+all-to-all) use no
 all-reduce; the replica groups are vLLM ``GroupCoordinator``s with the DCP
 group's backend and device communicator, so they are captured exactly as the
 DCP group's collectives are, and nothing more than a new group is needed.
 
-Remove when: vLLM's MLA takes a per-group DCP shard count (with
-``worker.mla_attention``).
+Remove when: vLLM's MLA, FlashAttention and FlashInfer take a per-group DCP
+shard count (with ``worker.mla_attention``, ``worker.flash_attn`` and
+``worker.flashinfer``).
 """
 
 from __future__ import annotations
@@ -53,11 +56,19 @@ def _make_init_device(original: Callable[..., None]) -> Callable[..., None]:
 PATCH = Patch(
     upstream_module="vllm.v1.worker.gpu_worker",
     replaces=(Wrap("Worker.init_device", "self", _make_init_device),),
-    remove_with=("worker.mla_attention", "worker.parallel_state"),
+    remove_with=(
+        "worker.flash_attn",
+        "worker.flashinfer",
+        "worker.mla_attention",
+        "worker.parallel_state",
+    ),
     why=(
-        "vLLM makes only the D-wide DCP group; partial MLA groups collective within "
+        "vLLM makes only the D-wide DCP group; partial MLA, FlashAttention "
+        "and FlashInfer groups collective within "
         "their K-rank replicas, whose process groups every worker makes in lockstep."
     ),
-    remove_when="vLLM's MLA takes a per-group DCP shard count",
+    remove_when=(
+        "vLLM's MLA, FlashAttention and FlashInfer take a per-group DCP shard count"
+    ),
     related="none upstream: vLLM knows K in {1, D} only",
 )

@@ -28,10 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dcp_geometry.contract.attention_backends import (
-    collectives_within_replica,
-    d_wide_partial_reason,
-)
+from vllm_dcp_geometry.contract.attention_backends import collectives_within_replica
 from vllm_dcp_geometry.contract.collectives import (
     FLOAT32_BYTES,
     FP8_DS_MLA,
@@ -66,7 +63,6 @@ COST_KEYS = (
     "dcp_group_bytes_per_rank_per_token",
     "dcp_group_attention_work_vs_sharded",
     "decode_collective_bytes_reason",
-    "d_wide_reason",
 )
 """The fields ``group_cost`` adds to each plan group (all present, None where
 they do not apply)."""
@@ -300,8 +296,8 @@ def group_cost(
         return cost
     dcp = topology.decode_context_parallel_size
     backend = attention["attention_backend"]
-    # Rule A6 needs both the operator's choice and a backend whose patch
-    # binds the replica group; every other partial group stays D-wide.
+    # Rule A6 needs both the operator's choice and a taught backend (whose
+    # patch binds the replica group).
     replica = topology.partial_collectives == REPLICA and collectives_within_replica(
         backend
     )
@@ -318,9 +314,6 @@ def group_cost(
         cost["decode_collective_bytes_reason"] = traffic
     else:
         cost["decode_collective_bytes_per_rank_per_token"] = traffic.bytes_over(world)
-    if 1 < k < dcp and topology.partial_collectives == REPLICA and not replica:
-        # The operator asked for the replica; this backend keeps D-wide.
-        cost["d_wide_reason"] = d_wide_partial_reason(backend)
     if 1 < k < dcp:
         dcp_world = collective_world_size(k, dcp, replica_collectives=False)
         cost["dcp_group_attention_work_vs_sharded"] = attention_work_ratio(

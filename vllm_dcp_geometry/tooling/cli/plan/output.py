@@ -181,22 +181,8 @@ def _cost_lines(plan: dict[str, Any]) -> list[str]:
             f"no collective bytes ({reason}): {', '.join(names)}"
             for reason, names in reasons.items()
         ),
-        *(
-            f"D-wide although partial_collectives=replica ({backend}: {why}): "
-            f"{', '.join(names)}"
-            for (backend, why), names in _d_wide_partials(plan).items()
-        ),
         "",
     ]
-
-
-def _d_wide_partials(plan: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
-    named: dict[tuple[str, str], list[str]] = {}
-    for g in plan["groups"]:
-        if g.get("d_wide_reason"):
-            key = (g["attention_backend"], g["d_wide_reason"])
-            named.setdefault(key, []).append(g["name"])
-    return named
 
 
 def _attention_lines(plan: dict[str, Any]) -> list[str]:

@@ -6,8 +6,9 @@
 processes on this machine (``run``; gloo on CPU, NCCL where D GPUs are
 visible), each initialising vLLM's real distributed state and loading the
 plugin through vLLM's own plugin loader (``worker``). Each builds the
-topology's MLA groups on vLLM's real layer, impl and builder (the runner of
-the group's layer class, ``runners``, over ``vllm_setup``'s objects), writes
+topology's attention groups (MLA, and full-attention and sliding-window ones
+on FLASH_ATTN) on vLLM's real layer, impl and builder (the runner of the
+group's layer class, ``runners``, over ``vllm_setup``'s objects), writes
 random K/V at the contract's slot mapping for the group's K, runs a decode step and
 a chunked prefill over a context with vLLM's real collectives (partial groups
 within their K-rank replica groups, made by the same start-up code as
@@ -21,9 +22,11 @@ the operator asks, and the output says so. Partial groups' collectives go where 
 topology's ``[parallel] partial_collectives`` says, as for ``plan``, unless
 ``--partial-collectives`` says otherwise. Groups whose backends need CUDA,
 recurrent groups, layer classes this command does not build and groups with
-no shapes in the topology are listed with the reason; a topology with no
-group to run is refused. The CPU switches the workers need are set only in
-their environment (``tooling.cpu_stand_ins``). The text is ``report``'s.
+no shapes in the topology are listed with the reason (a FlashAttention
+group's CUDA kernel is stood in for on a CPU, ``flash_attn_stand_ins``); a
+topology with no group to run is refused. The CPU switches the workers need
+are set only in their environment (``tooling.cpu_stand_ins``). The text is
+``report``'s.
 
 ``--baseline`` also runs the same ranks on unpatched vLLM (children with
 ``VLLM_PLUGINS=""``); the exit status is then 1 where unpatched vLLM is
@@ -91,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--partial-collectives",
         choices=PARTIAL_COLLECTIVES,
         default=None,
-        help="where partial MLA groups run their collectives: within their "
+        help="where partial groups run their collectives: within their "
         "K-rank replica or on the D-wide DCP group (default: the topology's "
         "[parallel] partial_collectives, as plan reads it)",
     )
@@ -120,9 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", *backend_choices()),
         default="auto",
         metavar="NAME",
-        help="the backend every group runs on (default auto: TRITON_MLA on a "
-        "CPU; on a GPU the group's SM90 backend, as plan reports it): "
-        + ", ".join(backend_choices()),
+        help="the backend every MLA group runs on (default auto: TRITON_MLA on "
+        "a CPU; on a GPU the group's SM90 backend, as plan reports it; "
+        "FlashAttention groups always run FLASH_ATTN): " + ", ".join(backend_choices()),
     )
     parser.add_argument(
         "--float32",

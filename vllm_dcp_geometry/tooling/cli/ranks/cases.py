@@ -19,7 +19,9 @@ K and interleave. The nope and value head dims are not in a topology: they
 size only ``kv_b_proj``'s up-projection (absorbed into the latent query on
 decode), never the cache or a collective, and are ``NOPE_DIM`` here.
 Contexts are a few rounds over the group's K shards (a few times B * K
-tokens).
+tokens). A full-attention or sliding-window group (FLASH_ATTN,
+``runners.flash_attention``) runs at its head size and window instead of a
+latent row.
 
 Which runner runs a group, and the shapes it runs it at, are the runner's
 (``runners``: one per layer class ``ranks`` builds). The runners plan with

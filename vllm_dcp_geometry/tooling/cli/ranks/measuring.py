@@ -51,7 +51,7 @@ MERGE_PARAMS = (
     "prefill_tokens_with_context=, output_scale="
 )
 """The parameters of vLLM's ``merge_attn_states`` the context-LSE meter reads
-(``prefix_lse`` by keyword)."""
+(``prefix_lse``, by keyword or third)."""
 
 METERED = (
     UpstreamSymbol(
@@ -119,7 +119,9 @@ def _record_context_lse(
 ) -> Callable[..., Any]:
     def merge_attn_states(*args: Any, **kwargs: Any) -> Any:
         if recorder.seen is not None:
-            recorder.seen["context_lse"] = kwargs["prefix_lse"].clone()
+            # MLA hands it by keyword, FlashAttention's DCP path by position.
+            prefix_lse = kwargs["prefix_lse"] if "prefix_lse" in kwargs else args[2]
+            recorder.seen["context_lse"] = prefix_lse.clone()
         return original(*args, **kwargs)
 
     return merge_attn_states
@@ -140,8 +142,9 @@ def _record_local_lse(
 def record_context_lse_in(module: ModuleType, lse: LseRecorder) -> None:
     """Also record the prefix LSE ``module`` hands its own imported
     ``merge_attn_states`` (a layer class that merges its prefill context
-    itself, as Kimi-K3's does), once per process; the name is pinned to the
-    same parameters as ``mla_attention``'s."""
+    itself, as Kimi-K3's does; FlashAttention's DCP path, whose prefix is the
+    combined context), once per process; the name is pinned to the same
+    parameters as ``mla_attention``'s."""
     verify_symbol(UpstreamSymbol(module.__name__, "merge_attn_states", MERGE_PARAMS))
     wrap(module, "merge_attn_states", _record_context_lse, lse)
 

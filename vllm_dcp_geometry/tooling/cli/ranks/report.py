@@ -22,9 +22,15 @@ def _milliseconds(seconds: float | None) -> str:
 
 
 def _shape(shape: dict[str, Any] | None) -> str:
-    """``h x L+R dtype`` (heads per rank, latent and rope dims)."""
+    """``h x L+R dtype`` (heads per rank, latent and rope dims), or a non-MLA
+    group's ``h x d dtype`` (head size) with its window and sinks."""
     if shape is None or shape.get("heads_per_rank") is None:
         return "-"
+    if shape.get("head_size") is not None:
+        words = f"{shape['heads_per_rank']}x{shape['head_size']} {shape['dtype']}"
+        if shape.get("sliding_window") is not None:
+            words += f" window {shape['sliding_window']}"
+        return words + (" sinks" if shape.get("sinks") else "")
     if shape.get("kv_lora_rank") is None:
         return f"{shape['heads_per_rank']}x? {shape['dtype']}"
     return (
@@ -79,7 +85,7 @@ def format_table(report: dict[str, Any]) -> str:
         [
             "group",
             "K",
-            "shape (h x L+R)",
+            "shape (h x L+R | h x d)",
             "mode",
             "W",
             "max abs err",
@@ -106,18 +112,23 @@ def _shapes_line(report: dict[str, Any]) -> str:
 def _scaled_shapes(report: dict[str, Any]) -> str:
     ran = [g["shape"] for g in report["groups"] if g["shape"] is not None]
     longest = max(shape["max_model_len"] for shape in ran)
+    mla = [shape for shape in ran if shape.get("head_size") is None]
     if not report["scaled"]:
+        nope = (
+            f"; nope and value head dims {mla[0]['nope_dim']} (not in a "
+            "topology: they size only the up-projection, no cache or collective)"
+            if mla
+            else ""
+        )
         return (
             "  shapes: each group's own (query heads per TP rank h, kv_lora_rank "
-            "L, rope dim R, dtype, block size, K; the topology's interleave), "
-            f"contexts up to {longest:,} tokens; nope and value head dims "
-            f"{ran[0]['nope_dim']} (not in a topology: they size only the "
-            "up-projection, no cache or collective)"
+            "L and rope dim R or head size d, dtype, block size, K; the "
+            f"topology's interleave), contexts up to {longest:,} tokens{nope}"
         )
     return (
         f"  shapes SCALED by --scale {report['scale']}: each group's query heads "
         "per rank h divided by it (rounded up, at least 2; the table shows "
-        "what ran); L, R, "
+        "what ran); L, R or d, "
         f"dtype, block size, K and interleave the topology's; contexts up to "
         f"{longest:,} tokens"
     )

@@ -77,10 +77,7 @@ def _largest_group(
         size = runner.worker_bytes(case, dcp, g["block_size"], g["shard_count"])
         sized.append((size, g["name"], case.shape))
     size, name, shape = max(sized, key=lambda item: item[0])
-    return size, (
-        f"group {name!r} at {shape.heads_per_rank} heads x {shape.kv_lora_rank}"
-        f"+{shape.rope_dim} {shape.dtype}"
-    )
+    return size, f"group {name!r} at {shape.words}"
 
 
 def _worker_bytes(

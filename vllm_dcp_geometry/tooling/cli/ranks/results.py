@@ -129,8 +129,8 @@ def merge(
             "dtype_roundings": DTYPE_ROUNDINGS,
             "epsilon": EPSILON,
             "rule": "error <= (dtype_roundings * epsilon[dtype] / 2 + "
-            "(sqrt(L + R) + sqrt(longest context)) * epsilon[float32] / 2) * "
-            "max(1, |reference|)",
+            "(sqrt(L + R, or the head size) + sqrt(longest context)) * "
+            "epsilon[float32] / 2) * max(1, |reference|)",
         },
         "processes": {
             "count": len(results),
@@ -148,8 +148,9 @@ def merge(
         "replica_groups": first.get("replica_groups", []),
         "scale": scale,
         "scaled": scale != 1,
-        "shapes": "each group's own (query heads per TP rank, kv_lora_rank, "
-        "rope dim, dtype, block size, K; the topology's interleave)"
+        "shapes": "each group's own (query heads per TP rank, kv_lora_rank "
+        "and rope dim or head size, dtype, block size, K; the topology's "
+        "interleave)"
         + (
             ""
             if scale == 1

@@ -15,7 +15,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_dcp_geometry.contract import cdiv
-from vllm_dcp_geometry.contract.collectives import NCCL, mla_decode_step_bytes
+from vllm_dcp_geometry.contract.collectives import (
+    FLOAT32_BYTES,
+    NCCL,
+    dcp_decode_step_bytes,
+    mla_decode_step_bytes,
+)
 from vllm_dcp_geometry.tooling.topology import CacheGroup, Topology
 
 BACKEND = "TRITON_MLA"
@@ -58,10 +63,43 @@ class Shape:
     max_num_seqs: int = 8
     backend: str = BACKEND
     """The attention backend the group runs on."""
+    head_size: int | None = None
+    """A non-MLA group's query, key and value head size (its spec's
+    ``head_size``; its ``kv_lora_rank`` and ``rope_dim`` are 0); None for an
+    MLA group, whose rows are ``kv_lora_rank + rope_dim``."""
+    sliding_window: int | None = None
+    """A non-MLA group's sliding window (positions a token attends, itself
+    included); None: the whole context."""
+    sinks: bool = False
+    """A non-MLA group's layers have attention sinks (``s_aux``)."""
+
+    @property
+    def is_mla(self) -> bool:
+        return self.head_size is None
+
+    @property
+    def score_dim(self) -> int:
+        """The length of the dot product behind one attention score: the
+        latent row L + R (MLA), or the head size."""
+        if self.head_size is None:
+            return self.kv_lora_rank + self.rope_dim
+        return self.head_size
 
     @property
     def scale(self) -> float:
+        if self.head_size is not None:
+            return float(self.head_size**-0.5)
         return float((self.nope_dim + self.rope_dim) ** -0.5)
+
+    @property
+    def words(self) -> str:
+        """``h heads x L+R dtype`` (MLA) or ``h heads x d dtype``."""
+        if self.head_size is not None:
+            return f"{self.heads_per_rank} heads x {self.head_size} {self.dtype}"
+        return (
+            f"{self.heads_per_rank} heads x {self.kv_lora_rank}+{self.rope_dim} "
+            f"{self.dtype}"
+        )
 
     @property
     def dtype_bytes(self) -> int:
@@ -77,7 +115,20 @@ class Shape:
     ) -> int:
         """What one rank moves decoding ``tokens`` in one layer of this shape
         over ``world_size`` ranks on ``backend``
-        (``collectives.mla_decode_step_bytes``)."""
+        (``collectives.mla_decode_step_bytes``; a non-MLA group's
+        ``dcp_decode_step_bytes``: queries and outputs of the head size in
+        the dtype, float32 LSEs, as FlashAttention's kernels return them)."""
+        if self.head_size is not None:
+            return dcp_decode_step_bytes(
+                world_size,
+                tokens=tokens,
+                heads_per_rank=self.heads_per_rank,
+                query_head_dim=self.head_size,
+                output_head_dim=self.head_size,
+                dtype_bytes=self.dtype_bytes,
+                lse_bytes=FLOAT32_BYTES,
+                backend=backend,
+            )
         return mla_decode_step_bytes(
             world_size,
             tokens=tokens,
@@ -90,7 +141,16 @@ class Shape:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field; an MLA group's without the non-MLA ones (all unset)."""
+        values = asdict(self)
+        if self.head_size is None:
+            for name in NON_MLA_FIELDS:
+                del values[name]
+        return values
+
+
+NON_MLA_FIELDS = ("head_size", "sliding_window", "sinks")
+"""The ``Shape`` fields only a non-MLA group sets."""
 
 
 NON_CAUSAL_DECODE_TOKENS = 4
@@ -123,25 +183,38 @@ def prefill_requests(block_size: int, shard_count: int) -> list[tuple[int, int]]
 
 
 def phase_requests(
-    block_size: int, shard_count: int, non_causal: bool = False
+    block_size: int,
+    shard_count: int,
+    non_causal: bool = False,
+    sliding_window: int | None = None,
 ) -> dict[str, list[tuple[int, int]]]:
     """The batches a group runs, by phase: a decode step (a non-causal
-    multi-token one for a group that decodes so) and a chunked prefill."""
+    multi-token one for a group that decodes so) and a chunked prefill; a
+    group with a sliding window also runs, in each, a request whose context
+    reaches past the window by a block and a half (the window drops its
+    first positions, across a block boundary)."""
     new = NON_CAUSAL_DECODE_TOKENS if non_causal else 1
-    return {
+    phases = {
         "decode": decode_requests(block_size, shard_count, new),
         "prefill": prefill_requests(block_size, shard_count),
     }
+    if sliding_window is not None:
+        past = sliding_window + block_size + block_size // 2 + 1
+        phases["decode"].append((past, new))
+        phases["prefill"].append((past, 3))
+    return phases
 
 
-def group_model_len(block_size: int, shard_count: int, non_causal: bool = False) -> int:
+def group_model_len(
+    block_size: int,
+    shard_count: int,
+    non_causal: bool = False,
+    sliding_window: int | None = None,
+) -> int:
     """``max_model_len`` of a group's run: its longest request, rounded up to
     a multiple of 64."""
-    longest = max(
-        c + n
-        for requests in phase_requests(block_size, shard_count, non_causal).values()
-        for c, n in requests
-    )
+    phases = phase_requests(block_size, shard_count, non_causal, sliding_window)
+    longest = max(c + n for requests in phases.values() for c, n in requests)
     return cdiv(longest, 64) * 64
 
 

@@ -7,9 +7,10 @@ decode step against the runner's traffic formula over the collective world W
 the plan names (``traffic_and_class``); the class every rank ran against the
 plan's. A group is ``ok`` only where all hold.
 
-``measure_dense`` is the dense MLA runners' row (the formula:
-``collectives.mla_decode_step_bytes`` at the group's shapes); other runners
-build theirs from the same parts.
+``measure_dense`` is the row of the dense runners, MLA's and
+FlashAttention's (the formula: ``Shape.decode_step_bytes`` at the group's
+shapes, ``collectives.mla_decode_step_bytes`` or ``dcp_decode_step_bytes``);
+other runners build theirs from the same parts.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def tolerance(dtype: str, magnitude: float, dot_lengths: tuple[int, ...]) -> flo
     ``magnitude`` (at least 1: errors near zero are of the inputs' size)
     computed in ``dtype``: ``DTYPE_ROUNDINGS`` roundoffs of the dtype, plus
     the float32 accumulation of the sums the kernels form (the
-    ``dot_lengths``: the score over L + R, the weighted sum over the longest
-    context), whose rounding grows as sqrt(n) float32 roundoffs."""
+    ``dot_lengths``: the score over L + R or the head size, the weighted sum
+    over the longest context), whose rounding grows as sqrt(n) float32 roundoffs."""
     roundoff = EPSILON[dtype] / 2
     accumulated = sum(n**0.5 for n in dot_lengths) * EPSILON["float32"] / 2
     return (DTYPE_ROUNDINGS * roundoff + accumulated) * max(1.0, magnitude)
@@ -69,9 +70,11 @@ def _errors(ranks: list[dict[str, Any]], g: dict[str, Any]) -> dict[str, Any]:
     """The worst errors over the ranks of a group, by phase, then overall,
     and whether each is within the dtype's tolerance of its magnitude."""
     shape = Shape(**g["shape"])
-    phases = phase_requests(g["block_size"], g["shard_count"], g["non_causal"])
+    phases = phase_requests(
+        g["block_size"], g["shard_count"], g["non_causal"], shape.sliding_window
+    )
     longest = max(c + n for requests in phases.values() for c, n in requests)
-    dots = (shape.kv_lora_rank + shape.rope_dim, longest)
+    dots = (shape.score_dim, longest)
     worst: dict[str, Any] = {}
     within = True
     for phase, lse in (("decode", "decode"), ("prefill", "context")):
@@ -183,7 +186,7 @@ def measure_dense(
         formula=shape.decode_step_bytes,
         unmodeled=unmodeled,
         # The class every rank ran must be the one the plan names.
-        planned_class=g["layer_class"] or GENERIC_LAYERS[True],
+        planned_class=g["layer_class"] or GENERIC_LAYERS[shape.is_mla],
     )
     # A decode step replayed from a CUDA graph (--cuda-graph) must be as
     # right as the eager one.

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """The vLLM objects a ``ranks`` worker runs on, made from the plan: a
-weightless DeepSeek-V3-shaped model directory, real ``VllmConfig``s (the
+weightless DeepSeek-V3-shaped model directory (Llama-shaped for a non-MLA
+group), real ``VllmConfig``s (the
 run's, and the one a ``vllm serve`` worker of the plan would hold, with the
 operator's overrides) and the rank's real ``MLAAttention`` layer (TRITON_MLA
 impl; on CPU the ``cpu_sdpa`` prefill backend).
@@ -35,7 +36,10 @@ LAYER = "model.layers.0.self_attn.attn"
 def model_dir(world: int, shape: Shape) -> Path:
     """A DeepSeek-V3-shaped Hugging Face config (no weights) at ``shape``
     (its dtype, latent and rope dims) with ``world`` times
-    ``heads_per_rank`` attention heads; one per shape in a process."""
+    ``heads_per_rank`` attention heads, or for a non-MLA shape a Llama-shaped
+    one (``write_gqa_config``); one per shape in a process."""
+    if shape.head_size is not None:
+        return write_gqa_config(world * shape.heads_per_rank, shape)
     return write_deepseek_config(
         world * shape.heads_per_rank,
         kv_lora_rank=shape.kv_lora_rank,
@@ -46,6 +50,36 @@ def model_dir(world: int, shape: Shape) -> Path:
         max_position_embeddings=8192,
         prefix="vllm_dcp_geometry_ranks_",
     )
+
+
+def write_gqa_config(num_heads: int, shape: Shape) -> Path:
+    """A directory holding a one-layer Llama-shaped Hugging Face
+    ``config.json`` (no weights) of ``num_heads`` query heads of the shape's
+    head size and one KV head, in its dtype: what vLLM's model config reads
+    to size a FlashAttention layer (its builder's head counts and head size).
+    One KV head in all keeps TP above the KV heads at every D, which vLLM
+    requires of DCP, and is one per rank, as DCP needs."""
+    import json
+    import tempfile
+
+    assert shape.head_size is not None
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": num_heads * shape.head_size,
+        "head_dim": shape.head_size,
+        "intermediate_size": 64,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 128,
+        "max_position_embeddings": 8192,
+        "torch_dtype": shape.dtype,
+        "rms_norm_eps": 1e-6,
+    }
+    path = Path(tempfile.mkdtemp(prefix="vllm_dcp_geometry_ranks_gqa_"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 def vllm_config(

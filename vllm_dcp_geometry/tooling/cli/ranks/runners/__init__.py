@@ -7,10 +7,13 @@ which one runs a group (``runner_of``) and why none does
 A runner is one module implementing ``interface.LayerRunner``: ``mla``
 (vLLM's generic ``MLAAttention``), ``kimi_k3`` (Kimi-K3's own layer),
 ``sparse_mla`` (DeepSeek-V3.2's sparse layer and its indexer cache, one
-runner per cache, run together). Teaching ``ranks`` another layer class is
-one more runner module and its line in ``RUNNERS``; what runners share lives
-beside them (``inputs``; ``mla_cases`` and ``mla_phases`` for the dense MLA
-ones; ``sparse_*`` for DeepSeek-V3.2's).
+runner per cache, run together), ``flash_attention`` (vLLM's generic
+``Attention`` on FLASH_ATTN: full-attention and sliding-window groups).
+Teaching ``ranks`` another layer class is one more runner module and its
+line in ``RUNNERS``; what runners share lives beside them (``inputs``;
+``mla_cases`` and ``mla_phases`` for the dense MLA ones; ``sparse_*`` for
+DeepSeek-V3.2's; ``flash_attention_inputs`` and ``flash_attention_phases``
+for FlashAttention's).
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ from vllm_dcp_geometry.contract.layer_classes import (
     GENERIC_LAYERS,
     KIMI_K3_MLA,
 )
-from vllm_dcp_geometry.tooling.cli.ranks.runners import kimi_k3, mla, sparse_mla
+from vllm_dcp_geometry.tooling.cli.ranks.runners import (
+    flash_attention,
+    kimi_k3,
+    mla,
+    sparse_mla,
+)
 from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import LayerRunner
 from vllm_dcp_geometry.tooling.topology import CacheGroup
 
 RUNNERS: dict[str, LayerRunner] = {
     GENERIC_LAYERS[True]: mla.RUNNER,
+    GENERIC_LAYERS[False]: flash_attention.RUNNER,
     KIMI_K3_MLA: kimi_k3.RUNNER,
     # One DeepSeek-V3.2 layer reads both groups: the runner runs them together.
     DEEPSEEK_V32_ATTENTION: sparse_mla.LATENT_RUNNER,
@@ -50,12 +59,6 @@ LAYOUT_ONLY_SPEC_FIELDS = frozenset(
 )
 """Spec fields every runner takes as they are: the shapes and K it runs at,
 and how pages are laid out in memory (not how a position is attended)."""
-
-CUDA_BACKENDS = {
-    "full_attention": "FlashAttention/FlashInfer",
-    "sliding_window": "FlashAttention/FlashInfer",
-}
-"""The backends a non-MLA attention group runs on, which need CUDA."""
 
 
 def runner_of(group: CacheGroup) -> LayerRunner | None:
@@ -97,11 +100,6 @@ def why_not_run(group: CacheGroup, *, gpu: bool, dcp: int) -> str | None:
     runner = runner_of(group)
     if runner is not None:
         return _spec_refusal(group, runner)
-    if group.kind != "mla":
-        backends = CUDA_BACKENDS.get(group.kind, group.kind)
-        if not gpu:
-            return f"not run on this machine: {backends} backends need CUDA"
-        return f"not run: {backends} groups are not built by this command yet"
     name = (group.layer_class or "").rsplit(".", 1)[-1]
     taught = ", ".join(
         cls.rsplit(".", 1)[-1] for cls, r in RUNNERS.items() if group.kind in r.kinds

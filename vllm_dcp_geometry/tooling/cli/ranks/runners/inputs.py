@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_dcp_geometry.contract import reference_slot_mapping
 from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
@@ -40,6 +40,21 @@ class ShardLayout:
     shard_count: int
     interleave: int
     shard: int
+
+
+class PagedBatch(Protocol):
+    """What the slots and the common metadata read of a batch (``Inputs``,
+    or another runner's inputs): its requests, each request's block-table
+    row and whether its new tokens attend causally."""
+
+    @property
+    def requests(self) -> Requests: ...
+
+    @property
+    def rows(self) -> list[Any]: ...
+
+    @property
+    def causal(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,7 @@ def make_inputs(
 
 
 def group_slots(
-    inputs: Inputs, layout: ShardLayout, positions: Callable[[int, int], range]
+    inputs: PagedBatch, layout: ShardLayout, positions: Callable[[int, int], range]
 ) -> list[Any]:
     """Per request, the contract's slot of each position in ``positions(c,
     n)`` on the layout's shard (-1 where another shard owns it)."""
@@ -126,7 +141,9 @@ def write_cache(
     return cache
 
 
-def common_metadata(inputs: Inputs, interleave: int, run: RankRun, slots: Any) -> Any:
+def common_metadata(
+    inputs: PagedBatch, interleave: int, run: RankRun, slots: Any
+) -> Any:
     """The runner's ``CommonAttentionMetadata`` (vLLM's global (D, r) local
     lengths, as both model runners compute them)."""
     import torch

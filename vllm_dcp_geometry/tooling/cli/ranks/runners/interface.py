@@ -23,7 +23,7 @@ the group kinds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +85,7 @@ class LayerRunner:
     changes the attention (beyond the layout every runner takes)."""
 
     name: str
-    spec_values: Mapping[str, tuple[Any, ...]]
+    spec_values: Mapping[str, Container[Any]]
     plan: PlanCase
     refuse_shape: RefuseShape
     worker_bytes: WorkerBytes

@@ -199,18 +199,15 @@ def run_forward(
     return output, seen
 
 
-def replay_decode_graph(
-    inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
-) -> Any:
-    """The decode step captured in a CUDA graph and replayed: its metadata
-    built before capture, one eager warm-up, the capture inside vLLM's own
+def replay_in_graph(call: Callable[[], None], output: Any, run: RankRun) -> Any:
+    """``call`` (a decode step, its metadata built before) captured in a CUDA
+    graph and replayed: one eager warm-up, the capture inside vLLM's own
     ``graph_capture`` context (its stream and its groups' capture contexts,
-    as the model runner captures), the output cleared, one replay; the
+    as the model runner captures), ``output`` cleared, one replay; the
     output the replay wrote."""
     import torch
     from vllm.distributed.parallel_state import graph_capture
 
-    call, output = prepare_forward(inputs, set_up, run, cache)
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -225,14 +222,20 @@ def replay_decode_graph(
     return output
 
 
-def time_decode_steps(
+def replay_decode_graph(
     inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
-) -> float:
-    """Seconds of one decode step of this rank (the builder's ``build`` and
-    ``forward_impl``, as ``run_forward`` runs them), the median of
-    ``TIMED_STEPS``, every rank starting each one together (a barrier on the
-    world group, outside the step); on CUDA the device is synchronised around
-    each step."""
+) -> Any:
+    """The decode step captured in a CUDA graph and replayed
+    (``replay_in_graph``); the output the replay wrote."""
+    call, output = prepare_forward(inputs, set_up, run, cache)
+    return replay_in_graph(call, output, run)
+
+
+def time_steps(step: Callable[[], Any], run: RankRun) -> float:
+    """Seconds of one ``step`` on this rank, the median of ``TIMED_STEPS``,
+    every rank starting each one together (a barrier on the world group,
+    outside the step); on CUDA the device is synchronised around each
+    step."""
     import statistics
     import time
 
@@ -248,11 +251,19 @@ def time_decode_steps(
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        run_forward(inputs, set_up, run, cache)
+        step()
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
+
+
+def time_decode_steps(
+    inputs: Inputs, set_up: GroupSetUp, run: RankRun, cache: Any
+) -> float:
+    """Seconds of one decode step of this rank (the builder's ``build`` and
+    ``forward_impl``, as ``run_forward`` runs them; ``time_steps``)."""
+    return time_steps(lambda: run_forward(inputs, set_up, run, cache), run)
 
 
 def _decode_lse_error(
