@@ -4,11 +4,13 @@
 unpatched.
 
 The comparison is checked on made-up outcomes first (a test that passes
-unpatched and fails patched must fail the run); then the KV-cache core list
-of the installed vLLM release's own tests (``FILE_LISTS``: 0.33.0 or 0.34.0)
-runs through the script, unpatched and patched, each file in a fresh process
-(about 10 minutes on 2 cores). That one skips only when vLLM's sdist cannot
-be fetched.
+unpatched and fails patched must fail the run; a test that passes patched
+needs no unpatched run), and the node ids it reruns unpatched on a small
+made-up test file; then the KV-cache core list of the installed vLLM
+release's own tests (``FILE_LISTS``: 0.33.0 or 0.34.0) runs through the
+script: every file patched, then unpatched only the tests that did not pass
+patched, each run in a fresh process (8 to 11 minutes on 2 busy cores). That one
+skips only when vLLM's sdist cannot be fetched.
 """
 
 from __future__ import annotations
@@ -41,16 +43,20 @@ def _vllm_suite() -> ModuleType:
     return module
 
 
+def _run(
+    s: ModuleType,
+    mode: str,
+    outcomes: dict[str, str],
+    note: str = "",
+    tests: tuple[str, ...] = (),
+) -> Any:
+    run = s.FileRun("tests/x.py", mode, 0 if outcomes else 1, 1.0, outcomes, note=note)
+    run.tests = list(tests)
+    return run
+
+
 def test_a_test_that_only_fails_patched_fails_the_run() -> None:
     s = _vllm_suite()
-    unpatched = {
-        "t::ok": "passed",
-        "t::broken": "passed",
-        "t::gone": "passed",
-        "t::hub": "failed",
-        "t::gpu": "skipped",
-        "t::fixed": "failed",
-    }
     patched = {
         "t::ok": "passed",
         "t::broken": "failed",
@@ -58,42 +64,81 @@ def test_a_test_that_only_fails_patched_fails_the_run() -> None:
         "t::gpu": "skipped",
         "t::fixed": "passed",
     }
+    # Unpatched ran only what did not pass patched.
+    unpatched = {"t::broken": "passed", "t::hub": "failed", "t::gpu": "skipped"}
     result = s.compare(
         unpatched,
         patched,
         {"t::hub": "Invalid repository ID", "t::gpu": "needs CUDA"},
         {"t::broken": "AttributeError: parallel_config"},
+        asked=unpatched,
     )
     assert not result.ok
     assert result.regressions == {
-        "t::broken": ("failed", "AttributeError: parallel_config"),
-        "t::gone": ("missing", ""),
+        "t::broken": ("failed", "AttributeError: parallel_config")
     }
-    assert result.passed_both == 1
-    assert result.fixed == ["t::fixed"]
+    assert result.passed_patched == 2
     assert result.not_passing_both == {
         "t::gpu": ("skipped", "needs CUDA"),
         "t::hub": ("failed", "Invalid repository ID"),
     }
-    assert s.compare(unpatched, unpatched).ok
+    assert not hasattr(result, "fixed")  # not measured: no unpatched run
+    # A test passing unpatched that the patched run lacks is one too.
+    assert s.compare({"t::gone": "passed"}, {}).regressions == {
+        "t::gone": ("missing", "")
+    }
+    assert s.compare(unpatched, {**patched, "t::broken": "passed"}).ok
 
 
-def _run(s: ModuleType, mode: str, outcomes: dict[str, str], note: str = "") -> Any:
-    return s.FileRun("tests/x.py", mode, 0 if outcomes else 1, 1.0, outcomes, note=note)
+def test_a_test_passing_patched_needs_no_unpatched_outcome() -> None:
+    s = _vllm_suite()
+    result = s.compare({}, {"t::a": "passed", "t::b": "passed"})
+    assert result.ok and result.passed_patched == 2
+    assert result.regressions == result.not_passing_both == {}
+    assert s.to_rerun(_run(s, s.PATCHED, {"x::a": "passed"})) is None
+    # What does not pass patched must come back unpatched, or the run fails.
+    result = s.compare({}, {"t::a": "passed", "t::b": "failed"}, asked=["t::b"])
+    assert not result.ok
+    assert result.not_compared == {"t::b": ("failed", "no unpatched outcome")}
+
+
+def test_a_test_failing_in_both_is_no_regression() -> None:
+    s = _vllm_suite()
+    patched = {"t::a": "failed", "t::b": "error", "t::c": "skipped"}
+    assert s.compare(patched, patched, asked=patched).ok
+    assert s.compare({**patched, "t::b": "failed"}, patched, asked=patched).ok
+    result = s.compare({**patched, "t::b": "passed"}, patched, asked=patched)
+    assert not result.ok and set(result.regressions) == {"t::b"}
+
+
+def test_what_runs_unpatched() -> None:
+    s = _vllm_suite()
+    run = _run(
+        s,
+        s.PATCHED,
+        {"tests.x::a": "passed", "tests.x::b[1]": "failed", "tests.x::c": "skipped"},
+    )
+    assert s.to_rerun(run) == ["tests.x::b[1]", "tests.x::c"]
+    run.returncode = 2  # interrupted: the whole file
+    assert s.to_rerun(run) == []
+    run.returncode, run.note = 1, "timed out after 1200 s"
+    assert s.to_rerun(run) == []
+    # A collection error's entry names no test: the whole file.
+    run = _run(s, s.PATCHED, {"tests.x::a": "failed", "::tests.x": "error"})
+    assert s.to_rerun(run) == []
 
 
 def test_a_crashed_patched_file_fails_every_test_it_held(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     s = _vllm_suite()
-    runs = [
-        _run(s, s.UNPATCHED, {"x::a": "passed", "x::b": "skipped"}),
-        _run(s, s.PATCHED, {}, note="no test outcomes (pytest exit 3)"),
-    ]
+    crashed = _run(s, s.PATCHED, {}, note="no test outcomes (pytest exit 3)")
+    assert s.to_rerun(crashed) == []  # the whole file, unpatched
+    runs = [crashed, _run(s, s.UNPATCHED, {"x::a": "passed", "x::b": "skipped"})]
     result = s.compare_runs(runs)
     assert set(result.regressions) == {"x::a"}
-    assert "tests/x.py::<file>" in result.not_passing_both  # crashed vs missing
-    # The script's exit status, with these runs.
+    assert result.crashed == {"tests/x.py": "no test outcomes (pytest exit 3)"}
+    # The script's exit status and report, with these runs.
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "x.py").write_text("")
     monkeypatch.setattr(s, "run_suite", lambda *a, **kw: runs)
@@ -101,9 +146,98 @@ def test_a_crashed_patched_file_fails_every_test_it_held(
     assert s.main(["--src", str(tmp_path), "--json", str(out), "tests/x.py"]) == 1
     printed = capsys.readouterr().out
     assert "FAIL: 1 pass unpatched, not patched" in printed
-    assert "tests/x.py::<file>" not in json.loads(out.read_text())["regressions"]
-    runs[1] = _run(s, s.PATCHED, {"x::a": "passed", "x::b": "skipped"})
-    assert s.main(["--src", str(tmp_path), "tests/x.py"]) == 0
+    assert "whole file rerun unpatched: tests/x.py" in printed
+    assert set(json.loads(out.read_text())["regressions"]) == {"x::a"}
+    runs[:] = [_run(s, s.PATCHED, {"x::a": "passed", "x::b": "skipped"})]
+    runs.append(_run(s, s.UNPATCHED, {"x::b": "skipped"}, tests=("x::b",)))
+    assert s.main(["--src", str(tmp_path), "--json", str(out), "tests/x.py"]) == 0
+    printed = capsys.readouterr().out
+    assert "passed patched: 1 (no unpatched run needed" in printed
+    assert "not passing patched: 1; rerun unpatched: 1 tests by id in 1 files" in (
+        printed
+    )
+    assert "OK: every test that passes unpatched passes patched" in printed
+    written = json.loads(out.read_text())
+    assert written["passed_patched"] == 1 and "fixed" not in written
+    # The unpatched rerun gave no outcome for what it was asked: not compared.
+    runs[1] = _run(s, s.UNPATCHED, {}, note="no test outcomes (pytest exit 4)")
+    runs[1].tests = ["x::b"]
+    assert s.main(["--src", str(tmp_path), "tests/x.py"]) == 1
+    assert "FAIL: 1 not compared unpatched" in capsys.readouterr().out
+
+
+_MADE_UP_TESTS = """
+import pytest
+
+
+@pytest.mark.parametrize("p", ["a b", "x/y.z", "m::n", "[q]"], ids=str)
+def test_param(p):
+    assert p == "a b"
+
+
+class TestC:
+    @pytest.mark.parametrize("n", [1, 2])
+    def test_m(self, n):
+        assert n == 1
+
+    class TestInner:
+        def test_deep(self):
+            pytest.skip("inner")
+
+
+def test_ok():
+    pass
+
+
+def test_\u00fcn\u00ef():
+    assert False
+"""
+
+
+def test_the_rerun_runs_exactly_the_tests_that_did_not_pass(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The junit ids map back to node ids pytest runs: parameters with
+    spaces, dots, slashes, ``::`` and brackets, classes, nested classes, a
+    name that is not ASCII (on the command line, not in the ``@`` file)."""
+    s = _vllm_suite()
+    src, out = tmp_path / "src", tmp_path / "out"
+    (src / "tests" / "v1").mkdir(parents=True)
+    out.mkdir()
+    (src / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (src / "tests" / "v1" / "test_x.py").write_text(_MADE_UP_TESTS, encoding="utf-8")
+    real_env = s._source.run_env  # without the mode: no vLLM in these runs
+    monkeypatch.setattr(
+        s._source,
+        "run_env",
+        lambda mode, record: {
+            k: v for k, v in real_env(mode, record).items() if k != s.MODE_ENV
+        },
+    )
+    file = "tests/v1/test_x.py"
+    patched = s.run_file(src, file, s.PATCHED, out, 300)
+    assert patched.returncode == 1 and not patched.crashed, patched
+    assert len(patched.outcomes) == 9
+    tests = s.to_rerun(patched)
+    assert sorted(tests) == sorted(
+        t for t, outcome in patched.outcomes.items() if outcome != "passed"
+    )
+    assert len(tests) == 6 and "tests.v1.test_x.TestC.TestInner::test_deep" in tests
+    rerun = s.run_file(src, file, s.UNPATCHED, out, 300, tests)
+    assert rerun.outcomes == {t: patched.outcomes[t] for t in tests}
+    assert s.compare_runs([patched, rerun]).ok
+    ascii_only = [t for t in tests if t.isascii()]
+    rerun = s.run_file(src, file, s.UNPATCHED, out, 300, ascii_only)
+    assert set(rerun.outcomes) == set(ascii_only)
+    assert (out / "unpatched-tests_v1_test_x.args").read_text().splitlines() == [
+        s.node_id(file, t) for t in ascii_only
+    ]
+    # An id that names no test: pytest runs nothing, and the run fails.
+    wrong = "tests.v1.test_x::test_param[nope]"
+    rerun = s.run_file(src, file, s.UNPATCHED, out, 300, [wrong])
+    assert not rerun.outcomes
+    patched.outcomes[wrong] = "failed"
+    assert s.compare_runs([patched, rerun]).not_compared.keys() == {wrong}
 
 
 def test_junit_outcomes(tmp_path: Path) -> None:
@@ -133,6 +267,15 @@ def test_junit_outcomes(tmp_path: Path) -> None:
     }
     assert reasons["tests.a::test_fail[1]"] == "AssertionError: boom"
     assert reasons["tests.a::test_skip"] == "needs a GPU"
+    assert (
+        s.node_id("tests/a.py", "tests.a::test_fail[1]") == "tests/a.py::test_fail[1]"
+    )
+    assert (
+        s.node_id("tests/a.py", "tests.a.TestC.TestD::test_x[1.5 a::b]")
+        == "tests/a.py::TestC::TestD::test_x[1.5 a::b]"
+    )
+    assert s.node_id("tests/a.py", "::tests.b") is None  # a collection error
+    assert s.node_id("tests/a.py", "tests.ab::test_x") is None  # another file
 
 
 def test_only_the_tests_are_kept(tmp_path: Path) -> None:
@@ -153,12 +296,12 @@ def test_only_the_tests_are_kept(tmp_path: Path) -> None:
     archive = tmp_path / "vllm-9.9.9.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(root, arcname=root.name)
-    tree = s._extract_archive(archive, tmp_path / "unpacked")
-    assert s._is_release_tree(tree, "9.9.9")
-    assert not s._is_release_tree(tree, "9.9.8")
+    tree = s._source._extract_archive(archive, tmp_path / "unpacked")
+    assert s._source._is_release_tree(tree, "9.9.9")
+    assert not s._source._is_release_tree(tree, "9.9.8")
     cache = tmp_path / "cache"
     cache.mkdir()
-    s._copy_kept(tree, cache / "vllm-9.9.9-src")
+    s._source._copy_kept(tree, cache / "vllm-9.9.9-src")
     kept = sorted(p.name for p in (cache / "vllm-9.9.9-src").iterdir())
     assert kept == ["PKG-INFO", "pyproject.toml", "tests"]
     assert s.fetch_source("9.9.9", cache) == cache / "vllm-9.9.9-src"  # cached
@@ -219,10 +362,10 @@ def test_pip_is_found_where_the_environment_has_none(
     s = _vllm_suite()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(shutil, "which", lambda name: f"/bin/{name}")
-    assert s.pip_command() == ["/bin/pip3"]
+    assert s._source.pip_command() == ["/bin/pip3"]
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(s.SourceUnavailable, match="no pip"):
-        s.pip_command()
+        s._source.pip_command()
 
 
 @pytest.mark.slow
@@ -261,4 +404,17 @@ def test_vllm_core_suite_passes_patched_where_it_passes_unpatched(
     # The patched runs really ran patched, the unpatched ones did not.
     assert all(r["patches"] for r in runs if r["mode"] == s.PATCHED)
     assert not any(r["patches"] for r in runs if r["mode"] == s.UNPATCHED)
-    assert result["passed_both"] > 500
+    assert result["passed_patched"] > 500 and "fixed" not in result
+    # Unpatched ran exactly what did not pass patched, by id where it could.
+    patched = {r["file"]: r for r in runs if r["mode"] == s.PATCHED}
+    for rerun in (r for r in runs if r["mode"] == s.UNPATCHED):
+        failing = [
+            t for t, o in patched[rerun["file"]]["outcomes"].items() if o != "passed"
+        ]
+        assert rerun["tests"] in (failing, [])
+        assert set(failing) <= set(rerun["outcomes"])
+    assert all(
+        r["file"] in {u["file"] for u in runs if u["mode"] == s.UNPATCHED}
+        for r in patched.values()
+        if set(r["outcomes"].values()) != {"passed"}
+    )

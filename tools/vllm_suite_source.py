@@ -1,29 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""Which of vLLM's own tests ``vllm_suite.py`` runs, and where they come from.
+"""Which of vLLM's own tests ``vllm_suite.py`` runs, where they come from,
+and how one file of them runs.
 
 ``FILE_LISTS``: one list per vLLM release, the tests of what the plugin
 patches. The tests themselves come from the installed release's PyPI sdist
 (the wheel ships none), fetched once with ``pip download`` and cached under
 ``.cache/vllm-<version>-src``, keeping only ``KEEP``: vLLM's source tree must
-never shadow the installed ``vllm``.
+never shadow the installed ``vllm``. ``run_file`` runs one file, or some of
+its tests by node id, in a fresh process, patched or unpatched, and reads
+every test's outcome from pytest's junit XML (``parse_junit``; ``node_id``
+maps its test ids back to node ids).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Mapping
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache"
+
+PLUGIN_NAME = "dcp_geometry"
+"""The plugin's ``vllm.general_plugins`` entry-point name (pyproject.toml)."""
+
+MODE_ENV = "VLLM_SUITE_MODE"
+RECORD_ENV = "VLLM_SUITE_RECORD"
+UNPATCHED, PATCHED = "unpatched", "patched"
 
 _CORE_BOTH: tuple[str, ...] = (
     "tests/v1/core/test_prefix_caching.py",
@@ -127,6 +141,167 @@ FILE_LISTS: dict[str, FileList] = {
 
 class SourceUnavailable(RuntimeError):
     """vLLM's sdist could not be fetched (no network, no such release)."""
+
+
+def check_files(
+    src: Path, files: Sequence[str], absent: Mapping[str, str]
+) -> list[str]:
+    """What is wrong with the files to run in ``src``: a file it lacks, or a
+    file the list says the release lacks that is there (a stale list)."""
+    problems = [
+        f"not in {src}: {f}" + (f" ({absent[f]})" if f in absent else "")
+        for f in files
+        if not (src / f).is_file()
+    ]
+    problems += [
+        f"{f} is in {src}, but the file list says the release lacks it"
+        for f in absent
+        if (src / f).is_file()
+    ]
+    return problems
+
+
+# Naming the tests ----------------------------------------------------------------
+
+
+def parse_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Outcome (passed, failed, error, skipped) and failure reason by test id
+    (``classname::name``)."""
+    outcomes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = "passed"
+        for tag in ("skipped", "error", "failure"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                message = (found.get("message") or found.text or "").strip()
+                reasons[test] = message.splitlines()[0][:160] if message else tag
+        # A teardown error after a failure keeps the failure.
+        if outcomes.get(test) in ("failed", "error"):
+            continue
+        outcomes[test] = outcome
+    return outcomes, reasons
+
+
+def node_id(file: str, test: str) -> str | None:
+    """The pytest node id of ``parse_junit``'s ``test`` in ``file``; None if
+    it names no test of ``file`` (a collection error's entry).
+
+    pytest's junit XML splits a node id ``file::Class::test[params]`` into a
+    ``classname`` (the file's path dotted, without ``.py``, then each class
+    after a dot) and a ``name`` (the function with its parameters, which may
+    hold dots, spaces or ``::``)."""
+    classname, _, name = test.partition("::")
+    module = file.removesuffix(".py").replace("/", ".")
+    if not name or not (classname + ".").startswith(module + "."):
+        return None
+    classes = classname[len(module) :].split(".")[1:]
+    if not all(c.isidentifier() for c in classes):
+        return None
+    return "::".join([file, *classes, name])
+
+
+def selection_args(file: str, tests: Sequence[str], argsfile: Path) -> list[str]:
+    """pytest's arguments for ``tests`` of ``file``: an ``@argsfile`` of node
+    ids, one a line (pytest reads it with argparse, in the locale encoding),
+    or the ids themselves where one is not plain printable ASCII."""
+    ids = [node_id(file, t) or "" for t in tests]
+    if not all(ids):
+        raise ValueError(f"not tests of {file}: {tests}")
+    if all(i.isascii() and i.isprintable() for i in ids):
+        argsfile.write_text("".join(f"{i}\n" for i in ids), encoding="ascii")
+        return [f"@{argsfile}"]
+    return ids
+
+
+# Running one file -----------------------------------------------------------------
+
+
+@dataclass
+class FileRun:
+    """One test file in one mode: every test's outcome and why it failed."""
+
+    file: str
+    mode: str
+    returncode: int
+    seconds: float
+    outcomes: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    patches: list[str] = field(default_factory=list)
+    note: str = ""
+    tests: list[str] = field(default_factory=list)
+    """The tests (``parse_junit``'s ids) the run was asked for; none: all."""
+
+    @property
+    def crashed(self) -> bool:
+        """No clean pytest exit with outcomes: crashed, timed out, interrupted."""
+        return bool(self.note) or not self.outcomes or self.returncode not in (0, 1)
+
+
+def run_env(mode: str, record: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        TRITON_INTERPRET="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+        VLLM_PLUGINS="" if mode == UNPATCHED else PLUGIN_NAME,
+        **{MODE_ENV: mode, RECORD_ENV: str(record)},
+    )
+    return env
+
+
+def run_file(
+    src: Path,
+    file: str,
+    mode: str,
+    out_dir: Path,
+    timeout: float,
+    tests: Sequence[str] = (),
+) -> FileRun:
+    """``file`` under pytest in a fresh process (``mode``: patched or not);
+    ``tests``: only these (``parse_junit``'s ids), else every test."""
+    stem = f"{mode}-" + file.replace("/", "_").removesuffix(".py")
+    junit, record = out_dir / f"{stem}.xml", out_dir / f"{stem}.json"
+    selection = (
+        selection_args(file, tests, out_dir / f"{stem}.args") if tests else [file]
+    )
+    command = [sys.executable, "-m", "pytest", "-p", "vllm_suite"]
+    command += ["-p", "no:cacheprovider", "-q", "--junitxml", str(junit)]
+    start = time.monotonic()
+    note = ""
+    try:
+        done = subprocess.run(
+            [*command, *selection],
+            cwd=src,
+            env=run_env(mode, record),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+        returncode, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode, note = -1, f"timed out after {timeout:.0f} s"
+        output = (exc.stdout or b"").decode(errors="replace") if exc.stdout else ""
+    run = FileRun(file, mode, returncode, time.monotonic() - start, note=note)
+    run.tests = list(tests)
+    if junit.is_file():
+        try:
+            run.outcomes, run.reasons = parse_junit(junit)
+        except ET.ParseError as exc:
+            run.note = run.note or f"unreadable junit XML: {exc}"
+    if record.is_file():
+        run.patches = json.loads(record.read_text())["patches"]
+    if not run.outcomes and not run.note:
+        tail = output.strip().splitlines()[-3:]
+        run.note = f"no test outcomes (pytest exit {returncode}): " + " | ".join(tail)
+    return run
 
 
 # Fetching the tests ---------------------------------------------------------------
