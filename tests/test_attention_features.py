@@ -25,6 +25,7 @@ import torch
 from tests.support.attention import (
     HEAD_SIZE,
     cpu_platform,  # noqa: F401
+    flashinfer_impls_without_a_gpu,
     full_attention_spec,
     replica_groups_for,
     set_dcp_group,
@@ -156,15 +157,7 @@ def test_sinks_are_refused_on_flashinfer_above_k_1(
     refused before any builder is made; without sinks the group is admitted."""
     from vllm.v1.attention.backends import flashinfer
 
-    # FlashInferImpl asks the GPU for TRTLLM support and sizes a device
-    # buffer; this CPU stands in for a GPU without TRTLLM.
-    for name, stand_in in (
-        ("can_use_trtllm_attention", lambda *args, **kwargs: False),
-        ("get_device_sm_count", lambda device: 1),
-        ("get_trtllm_gen_multi_ctas_kv_counter_bytes", lambda *args: 0),
-        ("_get_multi_ctas_kv_counter_buffer", lambda *args: None),
-    ):
-        monkeypatch.setattr(flashinfer, name, stand_in)
+    flashinfer_impls_without_a_gpu(monkeypatch)
     FlashInferBackend = flashinfer.FlashInferBackend
     for spec, k in ((SHARDED, 4), (PARTIAL, 2)):
         with pytest.raises(DcpGeometryError) as excinfo:

@@ -21,6 +21,7 @@ import pytest
 from tests.support.attention import (
     HEAD_SIZE,
     cpu_platform,  # noqa: F401
+    flashinfer_impls_without_a_gpu,
     set_dcp_group,
     tiny_model_config,
 )
@@ -108,13 +109,7 @@ def test_a_real_impl_is_bound_to_its_replica(monkeypatch: pytest.MonkeyPatch) ->
         bind_impl_to_group,
     )
 
-    for name, stand_in in (
-        ("can_use_trtllm_attention", lambda *args, **kwargs: False),
-        ("get_device_sm_count", lambda device: 1),
-        ("get_trtllm_gen_multi_ctas_kv_counter_bytes", lambda *args: 0),
-        ("_get_multi_ctas_kv_counter_buffer", lambda *args: None),
-    ):
-        monkeypatch.setattr(flashinfer, name, stand_in)
+    flashinfer_impls_without_a_gpu(monkeypatch)
     set_dcp_group(monkeypatch, 4, 3)
 
     def make_impl(name: str) -> Any:

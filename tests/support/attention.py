@@ -110,6 +110,21 @@ def replica_groups_for(shard_counts: Sequence[int]) -> Iterator[None]:
         made.update(saved)
 
 
+def flashinfer_impls_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FlashInferImpl`` asks the GPU for TRTLLM support and sizes a device
+    buffer when built: answer as a GPU without TRTLLM does, so real impls
+    build on CPU (its builder and kernels still need CUDA)."""
+    from vllm.v1.attention.backends import flashinfer
+
+    for name, stand_in in (
+        ("can_use_trtllm_attention", lambda *args, **kwargs: False),
+        ("get_device_sm_count", lambda device: 1),
+        ("get_trtllm_gen_multi_ctas_kv_counter_bytes", lambda *args: 0),
+        ("_get_multi_ctas_kv_counter_buffer", lambda *args: None),
+    ):
+        monkeypatch.setattr(flashinfer, name, stand_in)
+
+
 def make_attention_layer(vllm_config: Any, name: str, backend: Any) -> Any:
     """A real vLLM ``Attention`` layer registered in the config's forward
     context, with its impl built as the model would build it."""

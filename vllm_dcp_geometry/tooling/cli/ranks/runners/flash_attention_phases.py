@@ -47,9 +47,9 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.inputs import (
     group_slots,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
-    PhaseCrashed,
     PlannedGroup,
     RankRun,
+    run_every_phase,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.runners.mla_phases import (
     replay_in_graph,
@@ -335,15 +335,4 @@ def run_set_up(set_up: FlashSetUp, run: RankRun) -> dict[str, Any]:
     """Run every phase of a group built on this rank; its errors and
     traffic, the class it ran and the world its impl attends over (read
     from the bound impl)."""
-    layer = type(set_up.layer)
-    report: dict[str, Any] = {
-        "name": set_up.group.name,
-        "layer_class_run": f"{layer.__module__}.{layer.__qualname__}",
-        "impl_dcp_world_size": int(set_up.layer.impl.dcp_world_size),
-    }
-    for phase, requests in set_up.cases.items():
-        try:
-            report.update(run_phase(phase, requests, set_up, run))
-        except Exception as exc:
-            raise PhaseCrashed(report, phase) from exc
-    return report
+    return run_every_phase(set_up, run, run_phase)

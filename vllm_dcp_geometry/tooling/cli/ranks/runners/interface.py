@@ -174,3 +174,25 @@ class PhaseCrashed(Exception):
     def __init__(self, ran: dict[str, Any], phase: str) -> None:
         super().__init__(phase)
         self.ran, self.phase = ran, phase
+
+
+def run_every_phase(
+    set_up: Any, run: RankRun, run_phase: Callable[..., dict[str, Any]]
+) -> dict[str, Any]:
+    """Run every phase of a group built on this rank (``set_up``: its group,
+    layer and phase cases; ``run_phase(phase, requests, set_up, run)``: one
+    phase's report entries): its errors and traffic, the class it ran and the
+    world its impl attends over (read from the bound impl). A phase that
+    raises is a ``PhaseCrashed`` carrying what ran before it."""
+    layer = type(set_up.layer)
+    report: dict[str, Any] = {
+        "name": set_up.group.name,
+        "layer_class_run": f"{layer.__module__}.{layer.__qualname__}",
+        "impl_dcp_world_size": int(set_up.layer.impl.dcp_world_size),
+    }
+    for phase, requests in set_up.cases.items():
+        try:
+            report.update(run_phase(phase, requests, set_up, run))
+        except Exception as exc:
+            raise PhaseCrashed(report, phase) from exc
+    return report

@@ -35,9 +35,9 @@ from vllm_dcp_geometry.tooling.cli.ranks.runners.inputs import (
 )
 from vllm_dcp_geometry.tooling.cli.ranks.runners.interface import (
     TIMED_STEPS,
-    PhaseCrashed,
     PlannedGroup,
     RankRun,
+    run_every_phase,
 )
 from vllm_dcp_geometry.tooling.cli.ranks.shapes import BACKEND, Shape, phase_requests
 from vllm_dcp_geometry.tooling.cli.ranks.vllm_setup import (
@@ -351,15 +351,4 @@ def run_phase(
 def run_set_up(set_up: GroupSetUp, run: RankRun) -> dict[str, Any]:
     """Run every phase of a group built on this rank; its errors and
     traffic."""
-    layer = type(set_up.layer)
-    report: dict[str, Any] = {
-        "name": set_up.group.name,
-        "layer_class_run": f"{layer.__module__}.{layer.__qualname__}",
-        "impl_dcp_world_size": int(set_up.layer.impl.dcp_world_size),
-    }
-    for phase, requests in set_up.cases.items():
-        try:
-            report.update(run_phase(phase, requests, set_up, run))
-        except Exception as exc:
-            raise PhaseCrashed(report, phase) from exc
-    return report
+    return run_every_phase(set_up, run, run_phase)
