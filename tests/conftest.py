@@ -16,7 +16,17 @@ from collections.abc import Iterator
 # no GPU; the interpreter then runs the real @triton.jit kernels on CPU tensors.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["TRITON_INTERPRET"] = "1"
+# As every CPU worker the tooling starts has it (cpu_stand_ins.child_environment):
+# no background CUDA build when vLLM's MoE layers are imported; and one
+# environment, so the suite's children and the ranks workers share a warm server.
+os.environ["HUMMING_DISABLE_PARALLEL_BUILD"] = "1"
+# Nothing here reaches a hub; planning sets this in-process too (setdefault),
+# and a variable that appears mid-run would need a second warm server.
+os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# Every fresh vLLM process the suite starts is forked past the libraries'
+# imports (tooling.warm_start): most of each child's start on CPU.
+os.environ["VLLM_DCP_GEOMETRY_WARM_START"] = "1"
 
 import pytest
 
@@ -88,10 +98,21 @@ def _skip_other_releases(items: list[pytest.Item]) -> None:
             )
 
 
+def _long_running_first(items: list[pytest.Item]) -> None:
+    """The modules marked ``long_running`` before the rest, each module's
+    tests in their order. pytest-xdist's ``--dist loadfile`` hands modules
+    out in this order (``pytest_configure`` turns off its own reordering,
+    by number of tests, which put the few-test multi-process modules last),
+    so no minutes-long module starts when the others are nearly done."""
+    heavy = {item.path for item in items if item.get_closest_marker("long_running")}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     _skip_other_releases(items)
+    _long_running_first(items)
     wanted = set(config.getoption("patch"))
     if not wanted:
         return
@@ -116,6 +137,9 @@ def _check_patch_option(config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _check_patch_option(config)
+    if hasattr(config.option, "loadscopereorder"):
+        # Collection order is the hand-out order (_long_running_first).
+        config.option.loadscopereorder = False
     from vllm_dcp_geometry.tooling import cpu_stand_ins
 
     cpu_stand_ins.disable_pinned_memory(cpu_stand_ins.HOST_BUFFER_MODULES)

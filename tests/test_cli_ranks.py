@@ -44,13 +44,16 @@ from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
 from vllm_dcp_geometry.tooling.cli.ranks.results import EPSILON
 from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
 
-pytestmark = pytest.mark.patches(
-    "common.kv_cache_interface",
-    "worker.gpu_worker",
-    "worker.mla_attention",
-    "worker.mla_dcp_manager",
-    "worker.utils",
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "common.kv_cache_interface",
+        "worker.gpu_worker",
+        "worker.mla_attention",
+        "worker.mla_dcp_manager",
+        "worker.utils",
+    ),
+]
 
 PROFILE = "mla-mixed-tp4-dcp4"
 SCALE = 16

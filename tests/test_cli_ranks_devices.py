@@ -32,13 +32,16 @@ from vllm_dcp_geometry.tooling.cli.ranks import cases, run, shapes
 from vllm_dcp_geometry.tooling.cpu_stand_ins import child_environment
 from vllm_dcp_geometry.tooling.topology import load_profile
 
-pytestmark = pytest.mark.patches(
-    "common.kv_cache_interface",
-    "worker.gpu_worker",
-    "worker.mla_attention",
-    "worker.mla_dcp_manager",
-    "worker.utils",
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "common.kv_cache_interface",
+        "worker.gpu_worker",
+        "worker.mla_attention",
+        "worker.mla_dcp_manager",
+        "worker.utils",
+    ),
+]
 
 TOPOLOGY = """\
 name = "two-ranks"

@@ -59,12 +59,15 @@ from vllm_dcp_geometry.tooling.flash_attn_stand_ins import (
 )
 from vllm_dcp_geometry.tooling.topology import load_profile, topology_from_mapping
 
-pytestmark = pytest.mark.patches(
-    "common.kv_cache_interface",
-    "worker.flash_attn",
-    "worker.gpu_worker",
-    "worker.utils",
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "common.kv_cache_interface",
+        "worker.flash_attn",
+        "worker.gpu_worker",
+        "worker.utils",
+    ),
+]
 
 HEADS = 64  # gpt-oss's query heads: 2 per rank over TP 32
 HEAD_SIZE = 64

@@ -39,14 +39,17 @@ from vllm_dcp_geometry.tooling.cli.ranks import cases, run, shapes
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
 from vllm_dcp_geometry.tooling.topology import load_profile, topology_from_mapping
 
-pytestmark = pytest.mark.patches(
-    "common.kv_cache_interface",
-    "worker.gpu_worker",
-    "worker.kimi_k3_mla",
-    "worker.mla_attention",
-    "worker.mla_dcp_manager",
-    "worker.utils",
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "common.kv_cache_interface",
+        "worker.gpu_worker",
+        "worker.kimi_k3_mla",
+        "worker.mla_attention",
+        "worker.mla_dcp_manager",
+        "worker.utils",
+    ),
+]
 
 KIMI_OPS = (
     "torch.ops._C.fused_kimi_k3_mla_decode_q_concat_kv_cache_insert",

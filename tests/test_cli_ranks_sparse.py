@@ -51,16 +51,19 @@ from vllm_dcp_geometry.tooling.cli.ranks import cases, results, shapes
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
 from vllm_dcp_geometry.tooling.topology import load_profile, topology_from_mapping
 
-pytestmark = pytest.mark.patches(
-    "common.kv_cache_interface",
-    "worker.deepseek_v32_attention",
-    "worker.flashmla_sparse",
-    "worker.gpu_worker",
-    "worker.mla_dcp_manager",
-    "worker.mla_indexer",
-    "worker.sparse_attn_indexer",
-    "worker.sparse_mla_attention",
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "common.kv_cache_interface",
+        "worker.deepseek_v32_attention",
+        "worker.flashmla_sparse",
+        "worker.gpu_worker",
+        "worker.mla_dcp_manager",
+        "worker.mla_indexer",
+        "worker.sparse_attn_indexer",
+        "worker.sparse_mla_attention",
+    ),
+]
 
 D = 4
 TOPK = 512

@@ -32,13 +32,16 @@ from vllm_dcp_geometry.tooling.cli import main
 from vllm_dcp_geometry.tooling.cli.simulate.checks import KINDS
 from vllm_dcp_geometry.tooling.cli.simulate.run import run_simulation
 
-pytestmark = pytest.mark.patches(
-    "worker.block_table",
-    "worker.gpu_block_table",
-    "engine_core.kv_cache_utils",
-    "engine_core.single_type_kv_cache_manager",
-    "engine_core.kv_cache_coordinator",
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "worker.block_table",
+        "worker.gpu_block_table",
+        "engine_core.kv_cache_utils",
+        "engine_core.single_type_kv_cache_manager",
+        "engine_core.kv_cache_coordinator",
+    ),
+]
 
 JSON_KEYS = (
     "runner",

@@ -26,9 +26,12 @@ from tests.support.mla import CPU, run_case
 from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import local_seq_len
 
-pytestmark = pytest.mark.patches(
-    "worker.mla_attention", "worker.mla_dcp_manager", "worker.utils"
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "worker.mla_attention", "worker.mla_dcp_manager", "worker.utils"
+    ),
+]
 
 TOLERANCE = 1e-5
 B = CPU.block_size

@@ -21,7 +21,10 @@ from vllm_dcp_geometry.runtime.patching import UpstreamChangedError, UpstreamSym
 from vllm_dcp_geometry.runtime.releases import active_release
 from vllm_dcp_geometry.tooling.docs.patch_table import RUNS_IN, patch_table_markdown
 
-pytestmark = pytest.mark.patches("common.kv_cache_interface")
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches("common.kv_cache_interface"),
+]
 
 
 def test_import_in_a_bare_interpreter_does_not_import_vllm() -> None:

@@ -18,7 +18,10 @@ import pytest
 
 from tests.support.processes import run_python
 
-pytestmark = pytest.mark.patches("worker.mla_attention", "worker.sparse_mla_attention")
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches("worker.mla_attention", "worker.sparse_mla_attention"),
+]
 
 STATE = """
 import importlib, json, random, sys, types

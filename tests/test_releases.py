@@ -29,7 +29,10 @@ from vllm_dcp_geometry.runtime.upstream_symbols import (
     verify_symbol,
 )
 
-pytestmark = pytest.mark.patches("common.kv_cache_interface")
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches("common.kv_cache_interface"),
+]
 
 
 def test_requirement_admits_exactly_the_supported_releases() -> None:

@@ -18,6 +18,8 @@ from vllm_dcp_geometry.tooling.topology import (
     topology_from_mapping,
 )
 
+pytestmark = pytest.mark.long_running
+
 MODELS = model_configs_dir()
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tests.support.processes import run_command
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry
 from vllm_dcp_geometry.contract.attention_admission import (
     AttentionMode,
@@ -27,9 +27,12 @@ from vllm_dcp_geometry.contract.layer_classes import (
     LAYER_CLASS_ATTR,
 )
 
-pytestmark = pytest.mark.patches(
-    "worker.deepseek_v32_attention", "worker.mla_indexer", "worker.utils"
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "worker.deepseek_v32_attention", "worker.mla_indexer", "worker.utils"
+    ),
+]
 
 OWNER = "KV-cache group 0 (model.layers.0.self_attn.attn)"
 LATENT = "model.layers.0.self_attn.attn"
@@ -290,12 +293,7 @@ def _profile_source() -> str:
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_dcp_geometry", "plan", *args, "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    return run_command(["-m", "vllm_dcp_geometry", "plan", *args, "--json"])
 
 
 def test_plan_shows_partial_and_local_sparse_groups(tmp_path: Path) -> None:

@@ -54,11 +54,14 @@ from tests.support.sparse_mla import (
 )
 from tests.support.sweeps import divisors
 
-pytestmark = pytest.mark.patches(
-    "worker.sparse_attn_indexer",
-    "worker.deepseek_v32_attention",
-    "common.kv_cache_interface",
-)
+pytestmark = [
+    pytest.mark.long_running,
+    pytest.mark.patches(
+        "worker.sparse_attn_indexer",
+        "worker.deepseek_v32_attention",
+        "common.kv_cache_interface",
+    ),
+]
 
 B = CPU_SPARSE.block_size
 # partial_collectives changes only partial groups: both for them.

@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.long_running
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -13,10 +13,15 @@ switches (``CPU_PRELUDE``) and registering the plugin, is prepended here, and
 from __future__ import annotations
 
 import os
+import subprocess
 import textwrap
 from typing import Any
 
-from vllm_dcp_geometry.tooling.fresh_process import FreshProcessError, run_fresh_python
+from vllm_dcp_geometry.tooling.fresh_process import (
+    FreshProcessError,
+    run_fresh_python,
+    run_process,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,7 +53,10 @@ def run_python(
     """Run ``code`` in a fresh Python; return the JSON of its last stdout line.
 
     ``cpu_prelude=False`` starts from a bare interpreter (nothing of vLLM
-    imported, nothing patched) whatever ``patched`` says.
+    imported, nothing patched, started cold: not even torch is imported)
+    whatever ``patched`` says; any other child is forked warm
+    (``WARM_START_ENV``, set in conftest), past torch's and the other
+    libraries' imports but before any of vLLM's.
     """
     prelude = (CPU_PRELUDE + (REGISTER if patched else "")) if cpu_prelude else ""
     source = prelude + textwrap.dedent(code)
@@ -59,6 +67,7 @@ def run_python(
             env={"VLLM_LOGGING_LEVEL": "ERROR", **(env or {})},
             cwd=REPO_ROOT,
             timeout=timeout,
+            warm=None if cpu_prelude else False,
         )
     except FreshProcessError as exc:
         if exc.returncode != 0:
@@ -66,3 +75,18 @@ def run_python(
                 f"subprocess failed ({exc.returncode}):\n{exc.stderr}"
             ) from exc
         raise AssertionError(f"subprocess printed nothing:\n{exc.stderr}") from exc
+
+
+def run_command(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """``python args...`` (``-m vllm_dcp_geometry plan ...``, say) in a fresh
+    process from ``REPO_ROOT``, forked warm, with ``env`` as its whole
+    environment (this process's by default); as ``subprocess.run`` reports
+    it, output captured as text."""
+    return run_process(
+        args,
+        env=dict(os.environ) if env is None else env,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )

@@ -126,6 +126,20 @@ def worker_command(plan_path: Path, result_path: Path) -> list[str]:
     ]
 
 
+def _start_worker(command: list[str], env: dict[str, str], log: Any) -> Any:
+    """One worker, writing to ``log``: on CPU forked warm (``warm_start``:
+    past the libraries every worker would import again), where it may see a
+    GPU a cold process."""
+    from vllm_dcp_geometry.tooling import warm_start
+
+    child = warm_start.start(
+        command[1:], env=env, cwd=os.getcwd(), out=log.name, err=log.name
+    )
+    if child is not None:
+        return child
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 def launch(
     topology: Topology,
     groups: list[dict[str, Any]],
@@ -165,11 +179,10 @@ def launch(
                 plan_path = Path(tmp, f"plan.{rank}.json")
                 plan_path.write_text(json.dumps({"rank": rank, **common}))
                 log = open(Path(tmp, f"log.{rank}.txt"), "w+", encoding="utf-8")  # noqa: SIM115
-                proc = subprocess.Popen(
+                proc = _start_worker(
                     worker_command(plan_path, Path(tmp, f"result.{rank}.json")),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
+                    env,
+                    log,
                 )
                 procs.append((proc, log))
             bar = progress_bar(dcp, f"ranks {mode}: {dcp} workers", progress)
