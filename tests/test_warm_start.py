@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,42 @@ def test_another_environment_gets_another_server_up_to_the_cap(
         # vLLM's variables ride on the same server; any other needs its own.
         assert len(made) == 2 and made[1]["HF_HUB_OFFLINE"] == "1"
         assert start({**base, "OTHER": "1"}) is None
+    finally:
+        warm_start._close_servers()
+
+
+def test_a_killed_server_is_replaced(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    made: list[warm_start.WarmServer] = []
+
+    class Light(warm_start.WarmServer):
+        def __init__(self, env, preload=("json",)) -> None:
+            super().__init__(env, preload)
+            made.append(self)
+
+    monkeypatch.setattr(warm_start, "WarmServer", Light)
+    monkeypatch.setattr(warm_start, "_servers", {})
+    env = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
+
+    def run() -> int:
+        child = warm_start.start(
+            ["-c", "pass"], env=env, cwd=str(tmp_path), out=os.devnull, err=os.devnull
+        )
+        assert child is not None
+        return child.wait(60)
+
+    try:
+        assert run() == 0
+        made[0]._proc.kill()
+        made[0]._proc.wait()
+        assert made[0].preloaded() == ["json"]
+        deadline = 100
+        while not made[0].stopped and deadline:
+            deadline -= 1
+            threading.Event().wait(0.05)
+        assert made[0].stopped
+        assert run() == 0 and len(made) == 2 and not made[1].stopped
     finally:
         warm_start._close_servers()
 

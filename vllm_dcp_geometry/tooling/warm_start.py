@@ -147,6 +147,12 @@ class WarmServer:
             self._closed = True
             self._lock.notify_all()
 
+    @property
+    def stopped(self) -> bool:
+        """The server has exited."""
+        with self._lock:
+            return self._closed
+
     def preloaded(self, timeout: float = START_TIMEOUT_S) -> list[str]:
         """What the server imported, once it has."""
         with self._lock:
@@ -203,7 +209,8 @@ class WarmServer:
 
     def close(self) -> None:
         if self._proc.stdin is not None and not self._proc.stdin.closed:
-            self._proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.close()
         try:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -226,6 +233,7 @@ def server_for(env: Mapping[str, str]) -> WarmServer | None:
     return _servers.get(_server_key(env))
 
 
+@atexit.register
 def _close_servers() -> None:
     for server in _servers.values():
         server.close()
@@ -248,10 +256,13 @@ def start(
     key = _server_key(env)
     with _servers_lock:
         server = _servers.get(key)
+        if server is not None and server.stopped:
+            # Killed (by the OOM killer, say): its children are lost with
+            # it, later ones get a new server.
+            _servers.pop(key).close()
+            server = None
         if server is None:
             if len(_servers) >= MAX_SERVERS:
                 return None
-            if not _servers:
-                atexit.register(_close_servers)
             server = _servers[key] = WarmServer(env)
     return server.start(args, env, cwd, out, err)
