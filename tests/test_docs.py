@@ -122,7 +122,8 @@ def test_readme_keeps_the_two_commands() -> None:
     )
     assert marked_command(text, "<!-- test-command -->") == (
         "python3 -m venv .venv && .venv/bin/pip install uv && "
-        ".venv/bin/uv pip install --python .venv/bin/python -e '.[test]' && "
+        ".venv/bin/uv pip install --python .venv/bin/python --compile-bytecode "
+        "-e '.[test]' && "
         ".venv/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile "
         "&& .venv/bin/python tools/test_release.py 0.34.0"
     )

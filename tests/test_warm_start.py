@@ -159,11 +159,14 @@ def test_another_environment_gets_another_server_up_to_the_cap(
         for env in (
             base,
             {**base, "VLLM_PLUGINS": "x"},
+            {**base, "PYTEST_CURRENT_TEST": "tests/test_a.py::test_b (call)"},
             {**base, "HF_HUB_OFFLINE": "1"},
         ):
             child = start(env)
             assert child is not None and child.wait(60) == 0
-        # vLLM's variables ride on the same server; any other needs its own.
+        # vLLM's variables and pytest's per-test name ride on the same
+        # server (else each test of a suite would want its own); any other
+        # variable needs its own.
         assert len(made) == 2 and made[1]["HF_HUB_OFFLINE"] == "1"
         assert start({**base, "OTHER": "1"}) is None
     finally:
@@ -206,7 +209,18 @@ def test_a_killed_server_is_replaced(
         warm_start._close_servers()
 
 
-def test_run_fresh_python_warm_reads_back_json_and_failures(tmp_path: Path) -> None:
+def test_run_fresh_python_warm_reads_back_json_and_failures(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Servers of its own: the worker's may be at the cap with other tests'.
+    monkeypatch.setattr(warm_start, "_servers", {})
+    try:
+        _run_fresh_python_warm(tmp_path)
+    finally:
+        warm_start._close_servers()
+
+
+def _run_fresh_python_warm(tmp_path: Path) -> None:
     assert run_fresh_python(
         ["-c", "import json, sys; print(json.dumps(sys.argv))"],
         patched=False,

@@ -59,7 +59,18 @@ def environment(release: str) -> Path:
         subprocess.run(
             [uv(), "venv", "-q", "-p", sys.executable, str(venv)], check=True
         )
-    install = [uv(), "pip", "install", "-q", "--python", str(python)]
+    # pip compiles bytecode as it installs; uv does not, and where the
+    # environment forbids writing it (PYTHONDONTWRITEBYTECODE, as on CI) every
+    # fresh interpreter would compile torch and vLLM again.
+    install = [
+        uv(),
+        "pip",
+        "install",
+        "-q",
+        "--compile-bytecode",
+        "--python",
+        str(python),
+    ]
     overrides = OVERRIDES / f"vllm-{release}.txt"
     if overrides.is_file():
         install += ["--override", str(overrides)]

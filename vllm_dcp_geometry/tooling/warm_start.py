@@ -18,8 +18,9 @@ Only for processes that see no GPU (``CUDA_VISIBLE_DEVICES`` empty): a fork
 after a library touched CUDA is undefined, so anything else starts cold. A
 library reads some of the environment as it is imported, so a server serves
 only children whose environment equals its own apart from vLLM's variables
-(``VLLM_*``, read when vLLM reads them); another environment gets its own
-server, and past ``MAX_SERVERS`` a cold process (``start`` answers None).
+(``VLLM_*``, read when vLLM reads them) and pytest's per-test name; another
+environment gets its own server, and past ``MAX_SERVERS`` a cold process
+(``start`` answers None).
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ PRELOAD = (
 plugin's patched modules spend most of their import time in (measured with
 ``python -X importtime``), and none of it reads the variables a child may
 set apart from its server."""
-PER_CHILD_PREFIX = "VLLM_"
+PER_CHILD_PREFIXES = ("VLLM_", "PYTEST_CURRENT_TEST")
 """Variables a child may set apart from its server: none of the preloaded
-libraries reads them."""
+libraries reads them (pytest sets ``PYTEST_CURRENT_TEST`` to each test's
+name, so a server keyed on it would serve one test)."""
 MAX_SERVERS = 2
 """Servers one process keeps (each holds those libraries in memory)."""
 START_TIMEOUT_S = 600
@@ -224,7 +226,9 @@ _servers_lock = threading.Lock()
 
 
 def _server_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    shared = (item for item in env.items() if not item[0].startswith(PER_CHILD_PREFIX))
+    shared = (
+        item for item in env.items() if not item[0].startswith(PER_CHILD_PREFIXES)
+    )
     return tuple(sorted(shared))
 
 
