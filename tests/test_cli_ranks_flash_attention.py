@@ -24,9 +24,10 @@ run: the D = 4 ones under 2 min each, the D = 8 one (``slow``) 3 to 7 min;
   them as D shards: the wrong K for their caches);
 - D = 8: two partial groups with sinks, K = 2 and K = 4, in one run.
 
-Then, with no new process: the checker failing a kernel one position off
-and a merge with one wrong rank, the stand-ins against plain torch, the
-planning of gpt-oss's profiles and what is not run, with its reason.
+Then, with no new process: a merge with one wrong rank failing. The checker
+failing a kernel one position off, the stand-ins against plain torch, the
+planning of gpt-oss's profiles and what is not run are in
+``test_cli_ranks_flash_attention_plan``.
 """
 
 from __future__ import annotations
@@ -37,27 +38,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from tests.support.gpt_oss_groups import (
+    BLOCK,
+    HEAD_SIZE,
+    WINDOW,
+    gpt_oss_group,
+)
 from tests.support.ranks import ranks_run
-from vllm_dcp_geometry.contract import reference_slot_mapping
 from vllm_dcp_geometry.contract.layer_classes import GENERIC_LAYERS
 from vllm_dcp_geometry.tooling.cli import EXIT_OK
 from vllm_dcp_geometry.tooling.cli.ranks import cases, results
 from vllm_dcp_geometry.tooling.cli.ranks.report import format_report
-from vllm_dcp_geometry.tooling.cli.ranks.runners.flash_attention_inputs import (
-    AttentionBatch,
-    attention_reference,
-)
-from vllm_dcp_geometry.tooling.cli.ranks.shapes import Shape
-from vllm_dcp_geometry.tooling.cli.ranks.verdict import tolerance
 from vllm_dcp_geometry.tooling.flash_attn_stand_ins import (
     FLASH_ATTN,
-    STAND_IN_SYMBOLS,
-    reshape_and_cache_flash,
-    varlen_attention,
 )
-from vllm_dcp_geometry.tooling.topology import load_profile, topology_from_mapping
 
 pytestmark = [
     pytest.mark.long_running,
@@ -69,33 +64,8 @@ pytestmark = [
     ),
 ]
 
-HEADS = 64  # gpt-oss's query heads: 2 per rank over TP 32
-HEAD_SIZE = 64
-WINDOW = 128
-BLOCK = 16
 EPSILON = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 """Machine epsilon of each dtype, restated."""
-
-
-def _group(name: str, layer: int, k: int | None, dcp: int, **fields: Any) -> Any:
-    """One gpt-oss-shaped group (K = ``k`` of D, None: vLLM's own)."""
-    sharding: dict[str, Any] = {}
-    if k == 1:
-        sharding["dcp_sharded"] = False
-    elif k is not None and k < dcp:
-        sharding["dcp_kv_shard_count"] = k
-    return {
-        "name": name,
-        "kind": "full_attention",
-        "block_size": BLOCK,
-        "layers": [f"model.layers.{layer}.attn.attn"],
-        "query_heads": HEADS,
-        "dtype": "bfloat16",
-        "head_size": HEAD_SIZE,
-        "num_kv_heads": 1,
-        **sharding,
-        **fields,
-    }
 
 
 def _topology(path: Path, dcp: int, groups: list[Any]) -> Path:
@@ -124,9 +94,9 @@ def _four_ranks_topology(path: Path) -> Path:
         path,
         4,
         [
-            _group("sliding", 0, 1, 4, **SLIDING, **SINKS),
-            _group("full.k2", 1, 2, 4, **SINKS),
-            _group("full.k4", 2, None, 4),
+            gpt_oss_group("sliding", 0, 1, 4, **SLIDING, **SINKS),
+            gpt_oss_group("full.k2", 1, 2, 4, **SINKS),
+            gpt_oss_group("full.k4", 2, None, 4),
         ],
     )
 
@@ -252,7 +222,10 @@ def test_eight_ranks_partial_groups_of_k_2_and_4_with_sinks(tmp_path: Path) -> N
     path = _topology(
         tmp_path / "fa8.json",
         8,
-        [_group("full.k2", 1, 2, 8, **SINKS), _group("full.k4", 2, 4, 8, **SINKS)],
+        [
+            gpt_oss_group("full.k2", 1, 2, 8, **SINKS),
+            gpt_oss_group("full.k4", 2, 4, 8, **SINKS),
+        ],
     )
     ran = ranks_run("-t", str(path))
     assert ran["code"] == EXIT_OK, ran["report"]
@@ -300,181 +273,3 @@ def _relaunch_inputs(four_ranks: dict[str, Any]) -> tuple[Any, Any, Any]:
     )
     (launched,) = four_ranks["launched"]
     return topology, groups, launched[0]
-
-
-# With no new process ---------------------------------------------------------
-
-
-def _paged(
-    batch: AttentionBatch, block: int, num_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every position of the batch in a paged cache (K = 1), written by the
-    KV-write stand-in at the contract's slots; the key and value caches."""
-    key_cache = torch.zeros(num_blocks, block, 1, HEAD_SIZE, dtype=torch.float64)
-    value_cache = torch.zeros_like(key_cache)
-    for i, (c, n) in enumerate(batch.requests):
-        slots = reference_slot_mapping(
-            range(c + n),
-            batch.rows[i],
-            block_size=block,
-            shard_count=1,
-            interleave_size=1,
-            shard=0,
-        )
-        reshape_and_cache_flash(
-            batch.keys[i][:, None, :],
-            batch.values[i][:, None, :],
-            key_cache,
-            value_cache,
-            torch.as_tensor(slots),
-            "auto",
-            torch.ones(()),
-            torch.ones(()),
-        )
-    return key_cache, value_cache
-
-
-@pytest.mark.parametrize("window", [None, 24])
-def test_the_checker_fails_a_kernel_one_position_off(window: int | None) -> None:
-    """The float64 stand-in over a paged cache equals the reference
-    (local attention with sinks, causal, a window); the same kernel with its
-    window, or its causal edge, one position off is beyond the tolerance
-    the checker holds a run to."""
-    gen = torch.Generator().manual_seed(5)
-    requests = [(40, 1), (17, 3), (0, 4)]
-    heads = 4
-    shape = Shape(
-        heads, 0, 0, "float32", 64, head_size=HEAD_SIZE, sliding_window=window
-    )
-    blocks = torch.randperm(32, generator=gen)
-    batch = AttentionBatch(
-        requests,
-        [torch.randn(c + n, HEAD_SIZE, generator=gen).double() for c, n in requests],
-        [torch.randn(c + n, HEAD_SIZE, generator=gen).double() for c, n in requests],
-        torch.randn(8, heads, HEAD_SIZE, generator=gen).double(),
-        [blocks[i * 8 : (i + 1) * 8] for i in range(3)],
-    )
-    sinks = torch.randn(heads, generator=gen).double() * 2
-    want = attention_reference(batch, shape, sinks)["out"]
-    allowed = tolerance("float32", float(want.abs().max()), (HEAD_SIZE, 44))
-    key_cache, value_cache = _paged(batch, 8, 32)
-    query_lens = torch.tensor([n for _, n in requests])
-    common = {
-        "q": batch.queries,
-        "k": key_cache,
-        "v": value_cache,
-        "cu_seqlens_q": torch.cat([torch.zeros(1), query_lens.cumsum(0)]).int(),
-        "seqused_k": torch.tensor([c + n for c, n in requests]),
-        "block_table": torch.stack(batch.rows).int(),
-        "softmax_scale": shape.scale,
-        "s_aux": sinks,
-    }
-    left = -1 if window is None else window - 1
-    exact = varlen_attention(**common, causal=True, window_size=[left, 0])
-    assert (exact - want).abs().max() <= allowed
-    off = (
-        varlen_attention(**common, causal=False, window_size=[-1, 1])
-        if window is None
-        else varlen_attention(**common, causal=True, window_size=[left - 1, 0])
-    )
-    assert (off - want).abs().max() > 10 * allowed
-
-
-def test_the_stand_ins_are_pinned_and_refuse_what_they_do_not_run() -> None:
-    from vllm_dcp_geometry.runtime.patching import verify_symbol
-    from vllm_dcp_geometry.tooling.cpu_stand_ins import KernelNotHere
-
-    for symbol in STAND_IN_SYMBOLS:
-        verify_symbol(symbol)
-    q = torch.zeros(2, 1, 8)
-    common = {
-        "q": q,
-        "k": q,
-        "v": q,
-        "cu_seqlens_q": torch.tensor([0, 2]),
-        "cu_seqlens_k": torch.tensor([0, 2]),
-        "softmax_scale": 1.0,
-        "causal": True,
-    }
-    out, lse = varlen_attention(**common, return_softmax_lse=True, fa_version=3)
-    assert out.shape == q.shape and lse.shape == (1, 2)
-    for refused in ({"softcap": 30.0}, {"mask_mod": object()}, {"page_table": 1}):
-        with pytest.raises(KernelNotHere):
-            varlen_attention(**common, **refused)
-    with pytest.raises(KernelNotHere):
-        varlen_attention(**common, k_descale=torch.full((1, 1), 2.0))
-
-
-def _planned(topology: Any, **kwargs: Any) -> dict[str, dict[str, Any]]:
-    return {
-        g["name"]: g
-        for g in cases.plan_groups(
-            topology,
-            gpu=kwargs.pop("gpu", False),
-            scale=1,
-            partial_collectives="replica",
-            **kwargs,
-        )
-    }
-
-
-def test_gpt_oss_plans_both_groups_on_flash_attention() -> None:
-    """gpt-oss at TP32/DCP4 with its full layers at K = 2 (an operator's
-    override): both groups run on FLASH_ATTN at the profile's shapes, the
-    sliding one replicated; at TP64/DCP8, one query head per rank."""
-    from vllm_dcp_geometry.tooling.topology.overrides import apply_additional_config
-
-    topology = apply_additional_config(
-        load_profile("gpt-oss-tp32-dcp4"),
-        {"dcp_geometry": {"layers": {"model.layers.*[13579].attn.attn": 2}}},
-    )
-    planned = _planned(topology, backend="TRITON_MLA")
-    for name, k in (("sliding", 1), ("full", 2)):
-        g = planned[name]
-        assert g["run"] is True, g
-        assert (g["runner"], g["backend"]) == ("flash_attention", "FLASH_ATTN")
-        assert g["shard_count"] == k
-        assert g["shape"]["sinks"] is True and g["shape"]["heads_per_rank"] == 2
-    assert planned["sliding"]["shape"]["sliding_window"] == WINDOW
-    assert planned["full"]["shape"]["sliding_window"] is None
-    eight = _planned(load_profile("gpt-oss-tp64-dcp8"))
-    assert eight["full"]["run"] is True
-    assert eight["full"]["shape"]["heads_per_rank"] == 1
-
-
-@pytest.mark.parametrize(
-    ("fields", "reason"),
-    [
-        ({"query_heads": None}, "the topology gives no query_heads"),
-        ({"attention_features": ["rswa_mask"]}, "attention features ['rswa_mask']"),
-        ({"head_size_v": 32}, "spec field head_size_v needs a kernel"),
-        ({"head_size": 72}, "head size 72 under DCP"),
-        ({"sliding_window": WINDOW}, "a full-attention spec with a sliding window"),
-    ],
-)
-def test_what_the_runner_does_not_run_is_named(
-    fields: dict[str, Any], reason: str
-) -> None:
-    group = {
-        k: v for k, v in {**_group("g", 0, None, 4), **fields}.items() if v is not None
-    }
-    topology = topology_from_mapping(
-        {
-            "name": "t",
-            "parallel": {"tensor_parallel_size": 32, "decode_context_parallel_size": 4},
-            "limits": {"max_model_len": 4096, "max_num_seqs": 8},
-            "groups": [group],
-        },
-        source="test",
-    )
-    (planned,) = _planned(topology).values()
-    assert planned["run"] is False and reason in planned["reason"], planned
-
-
-def test_float32_runs_on_a_cpu_only() -> None:
-    from vllm_dcp_geometry.tooling.cli.ranks.runners import flash_attention
-
-    shape = Shape(2, 0, 0, "float32", 64, head_size=HEAD_SIZE, backend="FLASH_ATTN")
-    assert flash_attention.flash_shape_refused(shape, 4, False) is None
-    refused = flash_attention.flash_shape_refused(shape, 4, True)
-    assert refused is not None and "float32" in refused
