@@ -209,6 +209,53 @@ def test_a_killed_server_is_replaced(
         warm_start._close_servers()
 
 
+def test_a_child_gets_what_the_preload_set_and_shares_its_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A library that sets a variable as it is imported (as flashinfer sets
+    CuTe DSL's cache directory) sets it in the server: a child gets it where
+    its own environment does not say (its own import would have set it); an
+    environment that holds the same value (its parent imported the library
+    since) rides on the same server, and another value needs its own."""
+    (tmp_path / "sets_a_variable.py").write_text(
+        "import os\nos.environ.setdefault('WARM_PROBE_SET', 'by-import')\n"
+    )
+    made: list[warm_start.WarmServer] = []
+
+    class Setting(warm_start.WarmServer):
+        def __init__(self, env, preload=("sets_a_variable",)) -> None:
+            super().__init__(env, preload)
+            made.append(self)
+
+    monkeypatch.setattr(warm_start, "WarmServer", Setting)
+    monkeypatch.setattr(warm_start, "_servers", {})
+    base = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(tmp_path),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+
+    def seen(env: dict[str, str]) -> str:
+        out = tmp_path / "out"
+        out.unlink(missing_ok=True)
+        code = "import os; print(os.environ['WARM_PROBE_SET'])"
+        child = warm_start.start(
+            ["-c", code], env=env, cwd=str(tmp_path), out=str(out), err=os.devnull
+        )
+        assert child is not None and child.wait(60) == 0
+        return out.read_text().strip()
+
+    try:
+        assert seen(base) == "by-import"
+        assert made[0].set_by_preload() == {"WARM_PROBE_SET": "by-import"}
+        assert seen({**base, "WARM_PROBE_SET": "by-import"}) == "by-import"
+        assert len(made) == 1
+        assert seen({**base, "WARM_PROBE_SET": "own"}) == "own"
+        assert len(made) == 2
+    finally:
+        warm_start._close_servers()
+
+
 def test_run_fresh_python_warm_reads_back_json_and_failures(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -4,7 +4,8 @@
 nothing of this package): ``python warm_server.py LIBRARY...``.
 
 It imports the libraries it is given, refuses to serve if that brought in
-vLLM or this package, answers ``{"ready": ...}``, then forks one child per
+vLLM or this package, answers ``{"ready": ..., "set_by_preload": ...}`` (the
+libraries and the environment variables their import set), then forks one child per
 request line (JSON: argv, env, cwd, stdout, stderr) and answers the child's
 pid, and later its exit status as ``subprocess`` writes it (negative for a
 signal). A child starts as ``python -c CODE`` or ``python -m MODULE`` would
@@ -91,15 +92,20 @@ def _run(argv: list[str]) -> None:
         raise SystemExit(f"warm-start server: runs -c or -m, not {argv[0]!r}")
 
 
-def child(request: dict[str, Any], closing: list[int]) -> None:
-    """The forked child: becomes the requested process, then exits."""
+def child(
+    request: dict[str, Any], closing: list[int], set_by_preload: dict[str, str]
+) -> None:
+    """The forked child: becomes the requested process, then exits. Its
+    environment is the request's, with what the preloaded libraries set as
+    they were imported where the request does not say (the child's own
+    import of them would have set it)."""
     code = 0
     try:
         for fd in closing:
             os.close(fd)
         _redirect_in(os.devnull)
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update({**set_by_preload, **request["env"]})
         os.chdir(request["cwd"])
         _redirect(request["stdout"], 1)
         _redirect(request["stderr"], 2)
@@ -119,7 +125,7 @@ def child(request: dict[str, Any], closing: list[int]) -> None:
             os._exit(code)
 
 
-def serve(requests: int, replies: int) -> None:
+def serve(requests: int, replies: int, set_by_preload: dict[str, str]) -> None:
     """Fork a child per request line until the client closes its end."""
     children: set[int] = set()
     pending = b""
@@ -139,7 +145,7 @@ def serve(requests: int, replies: int) -> None:
                 request = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
-                    child(request, [requests, replies])
+                    child(request, [requests, replies], set_by_preload)
                 children.add(pid)
                 reply({"id": request["id"], "pid": pid})
         for pid in list(children):
@@ -153,9 +159,14 @@ def main() -> None:
     replies = os.dup(1)
     os.dup2(2, 1)
     requests = sys.stdin.fileno()
+    before = dict(os.environ)
     loaded = preload(sys.argv[1:])
-    os.write(replies, (json.dumps({"ready": loaded}) + "\n").encode())
-    serve(requests, replies)
+    set_by_preload = {
+        name: value for name, value in os.environ.items() if before.get(name) != value
+    }
+    ready = {"ready": loaded, "set_by_preload": set_by_preload}
+    os.write(replies, (json.dumps(ready) + "\n").encode())
+    serve(requests, replies, set_by_preload)
 
 
 if __name__ == "__main__":

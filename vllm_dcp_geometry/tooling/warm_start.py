@@ -18,7 +18,9 @@ Only for processes that see no GPU (``CUDA_VISIBLE_DEVICES`` empty): a fork
 after a library touched CUDA is undefined, so anything else starts cold. A
 library reads some of the environment as it is imported, so a server serves
 only children whose environment equals its own apart from vLLM's variables
-(``VLLM_*``, read when vLLM reads them) and pytest's per-test name; another
+(``VLLM_*``, read when vLLM reads them) and pytest's per-test name, or by
+what the server's preload itself set as it was imported (a parent that
+imported vLLM since holds those too: CuTe DSL's cache directory, say); another
 environment gets its own server, and past ``MAX_SERVERS`` a cold process
 (``start`` answers None).
 """
@@ -127,6 +129,7 @@ class WarmServer:
         )
         self._lock = threading.Condition()
         self._ready: list[str] | None = None
+        self._set_by_preload: dict[str, str] = {}
         self._pids: dict[int, int] = {}
         self._returncodes: dict[int, int] = {}
         self._closed = False
@@ -140,6 +143,7 @@ class WarmServer:
             with self._lock:
                 if "ready" in message:
                     self._ready = message["ready"]
+                    self._set_by_preload = message["set_by_preload"]
                 elif "returncode" in message:
                     self._returncodes[message["pid"]] = message["returncode"]
                 else:
@@ -164,6 +168,13 @@ class WarmServer:
             if self._ready is None:
                 raise self._failure("did not get ready")
             return list(self._ready)
+
+    def set_by_preload(self) -> dict[str, str]:
+        """The environment variables the preloaded libraries set as they
+        were imported (a child gets them where its own environment does not
+        say, as its own import would have set them)."""
+        self.preloaded()
+        return dict(self._set_by_preload)
 
     def _failure(self, what: str) -> WarmStartError:
         self._errors.seek(0)
@@ -232,9 +243,28 @@ def _server_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(shared))
 
 
+def _find(
+    env: Mapping[str, str],
+) -> tuple[tuple[tuple[str, str], ...], WarmServer | None]:
+    """The key ``env`` is served under and its server, if this process keeps
+    one. An environment also matches a server where it differs only by what
+    that server's preload set as it was imported (this process imported the
+    same libraries since, and they set the same)."""
+    key = _server_key(env)
+    if key in _servers:
+        return key, _servers[key]
+    for served, server in _servers.items():
+        if server.stopped:
+            continue
+        own = server.set_by_preload()
+        if _server_key({k: v for k, v in env.items() if own.get(k) != v}) == served:
+            return served, server
+    return key, None
+
+
 def server_for(env: Mapping[str, str]) -> WarmServer | None:
     """The server this process keeps for ``env``'s children, if any."""
-    return _servers.get(_server_key(env))
+    return _find(env)[1]
 
 
 @atexit.register
@@ -257,9 +287,8 @@ def start(
         # It may see a GPU: nothing in it may meet a CUDA context its server
         # made, so it starts cold.
         return None
-    key = _server_key(env)
     with _servers_lock:
-        server = _servers.get(key)
+        key, server = _find(env)
         if server is not None and server.stopped:
             # Killed (by the OOM killer, say): its children are lost with
             # it, later ones get a new server.
