@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""DeepSeek-V3.2 layers for ``ranks`` topologies: one layer's two groups
-(the ``fp8_ds_mla`` latent cache and the indexer cache) as vLLM's model code
-specs them, at K of D = 4, and a topology mapping of such layers."""
+"""DeepSeek-V3.2 for ``ranks`` and ``plan``: one layer's two groups (the
+``fp8_ds_mla`` latent cache and the indexer cache) as vLLM's model code specs
+them, at K of D = 4, a topology mapping of such layers, and the built-in
+profile with one line changed."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from vllm_dcp_geometry.contract.layer_classes import (
@@ -77,3 +79,18 @@ def topology_mapping(*layers: list[dict[str, Any]], **parallel: Any) -> dict:
         "limits": {"max_model_len": 4096, "max_num_seqs": 8},
         "groups": [group for layer in layers for group in layer],
     }
+
+
+def dsv32_file(tmp_path: Path, old: str, new: str) -> str:
+    """The DeepSeek-V3.2 profile with ``old`` replaced by ``new``."""
+    from importlib import resources
+
+    text = (
+        resources.files("vllm_dcp_geometry.tooling")
+        .joinpath(f"profiles/{PROFILE}.toml")
+        .read_text(encoding="utf-8")
+    )
+    assert old in text, old
+    path = tmp_path / "dsv32.toml"
+    path.write_text(text.replace(old, new))
+    return str(path)
