@@ -186,7 +186,7 @@ def test_missing_shapes_print_a_dash_with_the_reason(capsys, tmp_path):
 
 
 def test_sparse_mla_and_its_indexer_collective_within_their_replica(capsys):
-    # Their bytes: tests/test_plan_cost_sparse.py.
+    # Their bytes: tests/test_plan_cost_sparse*.py.
     groups = plan_groups(capsys, "--profile", "deepseek-v32-tp8-dcp8")
     # Sparse MLA and its indexer collective within their replica (rule A6):
     # 4 ranks of the 8, one rank's work; the D-wide option is 8 and twice it.

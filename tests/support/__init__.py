@@ -1,16 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
-"""What the tests share, one module per subject: ``attention`` (a tiny model,
-real attention layers and the DCP group stand-in), ``gpu`` (the GPU scripts'
-marks, runner and sizes), ``kimi_k3`` (Kimi-K3's MLA layer over simulated
-ranks), ``mla`` (vLLM's MLA attention over simulated ranks and its float64
-reference), ``processes`` (fresh patched or unpatched interpreters),
-``scheduler`` (a mixed topology through vLLM's ``KVCacheManager``),
-``simulate`` (the ``simulate`` tests' hooks and topologies), ``slot_mapping``
-(the slot-mapping cases and checks, CPU and GPU), ``sparse_mla`` (sparse MLA's
-top-k merge, owned-token filter and attention over simulated ranks),
-``specs`` (every KV-cache spec type and what it answers), ``sweeps`` (the K grids), ``vllm_configs``
-(the one way tests build a vLLM config) and ``worker`` (vLLM's worker block
-tables and runners on CPU). No test module imports another: what two share
-lives here (``tests/test_test_layout.py`` checks it).
+"""What the tests share, one module per subject:
+
+- ``attention``: a tiny model, real attention layers and the DCP group
+  stand-in;
+- ``deepseek_v32_layers``: DeepSeek-V3.2's two groups per layer for ``ranks``
+  and ``plan`` topologies;
+- ``gpt_oss_groups``: gpt-oss-shaped attention groups for ``ranks``;
+- ``gpu``: the GPU scripts' marks, runner and sizes;
+- ``hand_back``: strict doubles that record what a patched function reads;
+- ``kimi_k3``: Kimi-K3's MLA layer over simulated ranks;
+- ``mla``: vLLM's MLA attention over simulated ranks and its float64
+  reference;
+- ``processes``: fresh patched or unpatched interpreters;
+- ``ranks``: ``ranks`` runs from the tests;
+- ``scheduler``: a mixed topology through vLLM's ``KVCacheManager``;
+- ``simulate``: the ``simulate`` tests' hooks and topologies;
+- ``sinks``: attention sinks over simulated ranks;
+- ``slot_mapping``: the slot-mapping cases and checks, CPU and GPU;
+- ``sources``: Python sources written for the source and layout checks;
+- ``sparse_collective_bytes``: DeepSeek-V3.2's decode-collective bytes,
+  restated;
+- ``sparse_mla``: sparse MLA's top-k merge, owned-token filter and attention
+  over simulated ranks;
+- ``specs``: every KV-cache spec type and what it answers;
+- ``suite_layout``: the rules of this package's and ``tests/``'s layout;
+- ``sweeps``: the K grids;
+- ``traffic_worker``: a rank of the collective-traffic check;
+- ``vllm_configs``: the one way tests build a vLLM config;
+- ``worker``: vLLM's worker block tables and runners on CPU.
+
+No test module imports another: what two share lives here
+(``tests/test_test_layout.py`` checks it, by the rules of ``suite_layout``).
 """

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """One of two gloo ranks that issue collectives through every API a forward
 could use while ``ranks``' traffic meter counts, for
-``test_cli_ranks.test_traffic_is_counted_where_it_happens``.
+``test_cli_ranks_worker.test_traffic_is_counted_where_it_happens``.
 
 ``python -m tests.support.traffic_worker RANK PORT`` prints one JSON line:
 the collectives the meter saw (op, name recorded, group, world, input bytes)
