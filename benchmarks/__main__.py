@@ -7,7 +7,8 @@ Sections (``--only`` picks some):
 - ``scheduler``: vLLM's real ``KVCacheManager`` under the replay workload
   (1,000,000 tokens, default profile, DCP16) and a 64-request prefix-caching
   workload at DCP1 and DCP16, patched vs unpatched, each measurement in its
-  own fresh process, alternated unpatched/patched over ``--pairs`` pairs.
+  own fresh process, over ``--pairs`` pairs (9; which side runs first
+  alternates by pair).
   Headline: thread CPU time inside the manager per ``allocate_slots`` call
   with the GC heap frozen after set-up (as vLLM's engine core runs), and the
   per-pair patched/unpatched ratio (median, min-max); the same ratio with the
@@ -95,13 +96,16 @@ def _measure_pairs(
     profile: bool,
     log: Callable[[str], None],
 ) -> dict[tuple[str, int], dict[str, list[dict[str, Any]]]]:
-    """Every measurement process, alternated unpatched/patched per pair."""
+    """Every measurement process, unpatched and patched per pair; which runs
+    first alternates by pair, so neither side always meets a machine the
+    other has just warmed (or loaded)."""
     samples: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {
         (w, d): {"unpatched": [], "patched": []} for w, d, _ in configs
     }
     for pair in range(pairs):
         for workload, dcp, repeats in configs:
-            for mode in ("unpatched", "patched"):
+            modes = ("unpatched", "patched")
+            for mode in modes if pair % 2 == 0 else modes[::-1]:
                 log(f"  pair {pair + 1}/{pairs}: {workload} DCP{dcp} {mode}")
                 argv = ["-m", "benchmarks.scheduler", "--workload", workload]
                 argv += ["--dcp", str(dcp), "--mode", mode]
@@ -280,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="What the DCP geometry contract costs against unpatched vLLM.",
     )
     parser.add_argument(
-        "--pairs", type=int, default=5, help="unpatched/patched process pairs"
+        "--pairs", type=int, default=9, help="unpatched/patched process pairs"
     )
     parser.add_argument(
         "--quick",
