@@ -200,27 +200,10 @@ def _write_cache(
     return kv_cache.transpose(1, 2).to(setup.device, setup.dtype)
 
 
-def run_ranks(
-    monkeypatch: pytest.MonkeyPatch,
-    dcp: int,
-    shard_count: int,
-    batch: Batch,
-    seed: int,
-    setup: Setup = CPU,
-    *,
-    partial_collectives: str | None = None,
-    keep: list[dict[str, Any]] | None = None,
-) -> list[torch.Tensor]:
-    """Every rank's output for its own heads, from the real forward. A
-    partial K runs within simulated replica groups unless
-    ``partial_collectives`` is ``"dcp"``; ``keep`` receives every rank's
-    layer, builder metadata and groups."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+def _stand_in_kernels(monkeypatch: pytest.MonkeyPatch, setup: Setup) -> None:
+    """Off a GPU, FlashAttention's kernel and its sinks support stood in for;
+    on every device, a workspace per rank."""
     from vllm.v1.attention.backends import flash_attn
-    from vllm.v1.worker.utils import AttentionGroup
 
     if not setup.on_device:
         monkeypatch.setattr(
@@ -236,19 +219,14 @@ def run_ranks(
         flash_attn, "current_workspace_manager", lambda: PerRankWorkspace(setup.device)
     )
 
-    dtype = str(setup.dtype).removeprefix("torch.")
-    additional = (
-        None
-        if partial_collectives is None
-        else {"dcp_geometry": {"partial_collectives": partial_collectives}}
-    )
-    vllm_config = make_vllm_config(
-        dcp,
-        tp=16,
-        model_dir=_model_dir(),
-        dtype=dtype,
-        additional_config=additional,
-    )
+
+def _common_metadata(
+    batch: Batch, setup: Setup, shard_count: int, seed: int
+) -> tuple[Any, torch.Tensor]:
+    """The runner's ``CommonAttentionMetadata`` of ``batch`` on the setup's
+    device, and its block table (random blocks, K-shard width)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
     requests = batch.requests
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(setup.num_blocks, generator=gen)
@@ -260,76 +238,132 @@ def run_ranks(
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).int()])
     seq_lens = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
     num_tokens = int(query_lens.sum())
-
-    def on_device(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(setup.device)
-
+    device = setup.device
     common = CommonAttentionMetadata(
-        query_start_loc=on_device(starts),
+        query_start_loc=starts.to(device),
         query_start_loc_cpu=starts,
-        seq_lens=on_device(seq_lens),
+        seq_lens=seq_lens.to(device),
         num_reqs=len(requests),
         num_actual_tokens=num_tokens,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
-        block_table_tensor=on_device(table),
-        slot_mapping=on_device(torch.zeros(num_tokens, dtype=torch.int64)),
+        block_table_tensor=table.to(device),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64).to(device),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
-    new_keys = torch.cat(
-        [k[c:] for k, (c, _) in zip(batch.keys, requests, strict=True)]
-    )
-    new_values = torch.cat(
-        [v[c:] for v, (c, _) in zip(batch.values, requests, strict=True)]
-    )
+    return common, table
 
+
+def _make_rank(
+    monkeypatch: pytest.MonkeyPatch,
+    group: SimulatedGroup,
+    vllm_config: Any,
+    batch: Batch,
+    setup: Setup,
+    shard_count: int,
+    replicas: list[int],
+    common_and_table: tuple[Any, torch.Tensor],
+) -> dict[str, Any]:
+    """DCP rank ``group.rank``'s real ``Attention`` layer (its heads' sinks),
+    the metadata its group's builder builds, its cache shard and inputs."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends import flash_attn
+    from vllm.v1.worker.utils import AttentionGroup
+
+    r, dcp = group.rank_in_group, group.world_size
+    common, table = common_and_table
+    monkeypatch.setattr(parallel_state, "_DCP", group)
+    name = f"model.layers.{r}.self_attn.attn"
+    heads = slice(r * HEADS, (r + 1) * HEADS)
+    with set_current_vllm_config(vllm_config):
+        layer = Attention(
+            HEADS,
+            setup.head_size,
+            setup.scale,
+            1,
+            prefix=name,
+            attn_backend=flash_attn.FlashAttentionBackend,
+            sinks=batch.sinks[heads].float().to(setup.device),
+        ).to(setup.device)
+    if not setup.on_device:
+        # FlashAttention 3 (Hopper), the version gpt-oss's sinks run on.
+        layer.impl.vllm_flash_attn_version = 3
+    attention_group = AttentionGroup(
+        flash_attn.FlashAttentionBackend, [name], _spec(setup, dcp, shard_count), 0
+    )
+    with replica_groups_of(group, replicas):
+        attention_group.create_metadata_builders(
+            vllm_config, torch.device(setup.device)
+        )
+    (builder,) = attention_group.metadata_builders
+    shard = GroupGeometry("sinks", shard_count, dcp, r).shard
+    new = [
+        (k[c:], v[c:])
+        for k, v, (c, _) in zip(batch.keys, batch.values, batch.requests, strict=True)
+    ]
+    new_keys = torch.cat([k for k, _ in new]).to(setup.dtype).to(setup.device)
+    new_values = torch.cat([v for _, v in new]).to(setup.dtype).to(setup.device)
+    return {
+        "group": group,
+        "layer": layer,
+        "metadata": builder.build(0, common),
+        "kv_cache": _write_cache(batch, setup, table, shard_count, shard),
+        "query": batch.queries[:, heads].to(setup.dtype).to(setup.device).contiguous(),
+        "key": new_keys[:, None, :],
+        "value": new_values[:, None, :],
+    }
+
+
+def run_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+    dcp: int,
+    shard_count: int,
+    batch: Batch,
+    seed: int,
+    setup: Setup = CPU,
+    *,
+    partial_collectives: str | None = None,
+    keep: list[dict[str, Any]] | None = None,
+) -> list[torch.Tensor]:
+    """Every rank's output for its own heads, from the real forward. A
+    partial K runs within simulated replica groups unless
+    ``partial_collectives`` is ``"dcp"``; ``keep`` receives every rank's
+    layer, builder metadata and groups."""
+    from vllm.distributed import parallel_state
+
+    _stand_in_kernels(monkeypatch, setup)
+    additional = (
+        None
+        if partial_collectives is None
+        else {"dcp_geometry": {"partial_collectives": partial_collectives}}
+    )
+    vllm_config = make_vllm_config(
+        dcp,
+        tp=16,
+        model_dir=_model_dir(),
+        dtype=str(setup.dtype).removeprefix("torch."),
+        additional_config=additional,
+    )
+    common_and_table = _common_metadata(batch, setup, shard_count, seed)
     coop = CooperativeRanks(dcp)
     # A partial group runs within its replica (rule A6, the default).
-    replicas = [shard_count] if 1 < shard_count < dcp else []
-    if partial_collectives == "dcp":
-        replicas = []
-    ranks: list[dict[str, Any]] = []
-    for r in range(dcp):
-        group = SimulatedGroup(coop, dcp, r)
-        monkeypatch.setattr(parallel_state, "_DCP", group)
-        name = f"model.layers.{r}.self_attn.attn"
-        heads = slice(r * HEADS, (r + 1) * HEADS)
-        with set_current_vllm_config(vllm_config):
-            layer = Attention(
-                HEADS,
-                setup.head_size,
-                setup.scale,
-                1,
-                prefix=name,
-                attn_backend=flash_attn.FlashAttentionBackend,
-                sinks=on_device(batch.sinks[heads].float()),
-            ).to(setup.device)
-        if not setup.on_device:
-            # FlashAttention 3 (Hopper), the version gpt-oss's sinks run on.
-            layer.impl.vllm_flash_attn_version = 3
-        attention_group = AttentionGroup(
-            flash_attn.FlashAttentionBackend, [name], _spec(setup, dcp, shard_count), 0
+    within = 1 < shard_count < dcp and partial_collectives != "dcp"
+    replicas = [shard_count] if within else []
+    ranks = [
+        _make_rank(
+            monkeypatch,
+            SimulatedGroup(coop, dcp, r),
+            vllm_config,
+            batch,
+            setup,
+            shard_count,
+            replicas,
+            common_and_table,
         )
-        with replica_groups_of(group, replicas):
-            attention_group.create_metadata_builders(
-                vllm_config, torch.device(setup.device)
-            )
-        (builder,) = attention_group.metadata_builders
-        shard = GroupGeometry("sinks", shard_count, dcp, r).shard
-        ranks.append(
-            {
-                "group": group,
-                "layer": layer,
-                "metadata": builder.build(0, common),
-                "kv_cache": _write_cache(batch, setup, table, shard_count, shard),
-                "query": on_device(
-                    batch.queries[:, heads].to(setup.dtype)
-                ).contiguous(),
-                "key": on_device(new_keys.to(setup.dtype))[:, None, :],
-                "value": on_device(new_values.to(setup.dtype))[:, None, :],
-            }
-        )
-
+        for r in range(dcp)
+    ]
     local = threading.local()
     # vLLM's get_dcp_group reads this at every call (the plugin's wrapper of
     # the module's getter answers a bound replica first): each thread's own.

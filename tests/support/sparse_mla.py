@@ -772,6 +772,106 @@ class RankOutput:
     impl_world: int  # impl.dcp_world_size the layer saw
 
 
+def _case_config(dcp: int, interleave: int, shape: SparseShape, collectives: str):
+    """The case's DeepSeek-V3.2 config: a bf16 cache, the partial K's
+    collectives as the operator's override gives them."""
+    vllm_config = dsv32_config(
+        dcp,
+        interleave,
+        heads_per_rank=shape.heads_per_rank,
+        block_size=shape.block_size,
+        cache_dtype="auto",
+    )
+    if collectives != REPLICA:
+        vllm_config.additional_config = {
+            "dcp_geometry": {"partial_collectives": collectives}
+        }
+    return vllm_config
+
+
+def _unmask_combines(ranks: list[SparseRank]) -> None:
+    """Every rank's replica-masked combine replaced by the combine it masks
+    (a negative control)."""
+    from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
+
+    for rank in ranks:
+        manager = rank.layers[LATENT_LAYER].dcp_manager
+        if isinstance(manager.combine, ReplicaMaskedCombine):
+            manager.combine = manager.combine.combine
+
+
+def _rank_forward(
+    r: int,
+    *,
+    ranks: list[SparseRank],
+    case: SparseCase,
+    geometry: tuple[int, int, int],
+    metadata: Any,
+    indexer_call: Any,
+) -> RankOutput:
+    """Rank ``r``'s step: its shard's logits through the indexer call (and
+    the merge), then ``DeepseekV32Attention._sparse_indexer_and_attn``'s DCP
+    steps: the query all-gather where the impl's world is > 1, the bound
+    impl's ``forward_mqa`` (shard-world top-k filter, the kernel over this
+    rank's own cache), the layer's replica-masked combine."""
+    dcp, shard_count, interleave = geometry
+    shape = case.shape
+    rank = ranks[r]
+    logits, _ = shard_logits(
+        case.scores,
+        case.lengths,
+        block_size=shape.block_size,
+        shard_count=shard_count,
+        interleave=interleave,
+        shard=r % shard_count,
+    )
+    layer = rank.layers[LATENT_LAYER]
+    # The layer hands its indexer its DCP manager's rank.
+    manager_rank = layer.dcp_manager.group.rank_in_group
+    args, kwargs = indexer_call_arguments(
+        logits, rank.topk_buffer, shape.topk, dcp=dcp, rank=manager_rank,
+        interleave=interleave,
+    )  # fmt: skip
+    indexer_call(*args, **kwargs)
+    selection = rank.topk_buffer.clone()
+    impl, manager = layer.impl, layer.dcp_manager
+    impl.record_logical_topk_ready()
+    impl.prepare_for_batch(metadata)
+    h = shape.heads_per_rank
+    q = case.q[:, r * h : (r + 1) * h].contiguous()
+    if impl.dcp_world_size > 1:
+        q = manager.query_gather(q)
+    out, lse = impl.forward_mqa(q, rank.cache, metadata, layer)
+    if impl.dcp_world_size > 1:
+        assert lse is not None
+        out = manager.combine(out, lse, seq_lens=None, query_start_loc=None)
+    return RankOutput(selection, out, impl.kernel_lse, impl.dcp_world_size)
+
+
+def _upstream_merge() -> Any:
+    """vLLM's own ``_merge_dcp_topk_global`` in place of the plugin's (a
+    negative control)."""
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+
+    from vllm_dcp_geometry.runtime.patching import original_of
+
+    original = original_of(sai._merge_dcp_topk_global)
+    return replaced(sai, "_merge_dcp_topk_global", original)
+
+
+def _per_rank_forward_context(coop: CooperativeRanks, ranks: list[SparseRank]) -> Any:
+    """vLLM's forward context, its layers each rank's own."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    layers = PerRankLayers(coop, [rank.layers for rank in ranks])
+    context = ForwardContext(
+        no_compile_layers=layers,  # type: ignore[arg-type]
+        attn_metadata={},
+        slot_mapping={},
+    )
+    return override_forward_context(context)
+
+
 def run_sparse_case(
     dcp: int,
     shard_count: int,
@@ -786,14 +886,10 @@ def run_sparse_case(
     merge_in_replica: bool = True,
 ) -> dict[str, Any]:
     """One forward of D ranks over a K-shard sparse cache, every step vLLM's
-    own code where it runs here: the DeepSeek-V3.2 indexer call wrapper
-    (``patches.worker.deepseek_v32_attention``'s factory around
-    ``indexer_op_stand_in``) -> vLLM's ``_merge_dcp_topk_global`` (real pack
-    kernel, D-rank all-gather; CPU: the selector stood in) -> the layer's
-    steps of ``DeepseekV32Attention._sparse_indexer_and_attn``: query
-    all-gather where the impl's world is > 1, the bound impl's
-    ``forward_mqa`` (shard-world top-k filter, the kernel over this rank's
-    own cache), the layer's replica-masked combine.
+    own code where it runs here (``_rank_forward``): the DeepSeek-V3.2
+    indexer call wrapper around ``indexer_op_stand_in``, vLLM's
+    ``_merge_dcp_topk_global`` (real pack kernel, D-rank all-gather; CPU:
+    the selector stood in), then the layer's DCP steps.
 
     ``collectives``: a partial K within its replica (rule A6, the default:
     merge, query gather and combine over the K ranks) or on the D-wide group
@@ -803,25 +899,10 @@ def run_sparse_case(
     D-wide whatever the call holds: the negative controls.
     Returns per-rank results and the single-device run.
     """
-    import vllm.model_executor.layers.sparse_attn_indexer as sai
-    from vllm.forward_context import ForwardContext, override_forward_context
-
     from vllm_dcp_geometry.patches.worker import deepseek_v32_attention
-    from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
-    from vllm_dcp_geometry.runtime.patching import original_of
 
     if vllm_config is None:
-        vllm_config = dsv32_config(
-            dcp,
-            interleave,
-            heads_per_rank=shape.heads_per_rank,
-            block_size=shape.block_size,
-            cache_dtype="auto",
-        )
-        if collectives != REPLICA:
-            vllm_config.additional_config = {
-                "dcp_geometry": {"partial_collectives": collectives}
-            }
+        vllm_config = _case_config(dcp, interleave, shape, collectives)
     case = make_sparse_case(dcp, seed, shape)
     single = single_device(case, seed + 1)
     table = block_table(shape, shard_count, seed + 2)
@@ -831,7 +912,6 @@ def run_sparse_case(
     indexer_call = deepseek_v32_attention._make_sparse_attn_indexer(
         indexer_op_stand_in(lambda call: calls.__setitem__(coop.local.rank, call))
     )
-    h = shape.heads_per_rank
 
     with contextlib.ExitStack() as stack:
         if shape.device == "cpu":
@@ -840,18 +920,9 @@ def run_sparse_case(
             case, dcp, shard_count, interleave, coop, vllm_config, table
         )
         if not mask_combine:
-            for rank in ranks:
-                manager = rank.layers[LATENT_LAYER].dcp_manager
-                if isinstance(manager.combine, ReplicaMaskedCombine):
-                    manager.combine = manager.combine.combine
+            _unmask_combines(ranks)
         if not mask_merge:
-            stack.enter_context(
-                replaced(
-                    sai,
-                    "_merge_dcp_topk_global",
-                    original_of(sai._merge_dcp_topk_global),
-                )
-            )
+            stack.enter_context(_upstream_merge())
         calls_seen = stack.enter_context(
             merge_stand_ins(
                 coop,
@@ -861,47 +932,17 @@ def run_sparse_case(
             )
         )
         records = stack.enter_context(recording(coop))
-        context = ForwardContext(
-            no_compile_layers=PerRankLayers(coop, [rank.layers for rank in ranks]),  # type: ignore[arg-type]
-            attn_metadata={},
-            slot_mapping={},
-        )
-        stack.enter_context(override_forward_context(context))
+        stack.enter_context(_per_rank_forward_context(coop, ranks))
         metadata = sparse_metadata(case, table, interleave)
 
-        def run(r: int) -> RankOutput:
-            rank = ranks[r]
-            logits, _ = shard_logits(
-                case.scores,
-                case.lengths,
-                block_size=shape.block_size,
-                shard_count=shard_count,
-                interleave=interleave,
-                shard=r % shard_count,
-            )
-            layer = rank.layers[LATENT_LAYER]
-            # The layer hands its indexer its DCP manager's rank.
-            manager_rank = layer.dcp_manager.group.rank_in_group
-            args, kwargs = indexer_call_arguments(
-                logits, rank.topk_buffer, shape.topk, dcp=dcp, rank=manager_rank,
-                interleave=interleave,
-            )  # fmt: skip
-            indexer_call(*args, **kwargs)
-            selection = rank.topk_buffer.clone()
-            # DeepseekV32Attention._sparse_indexer_and_attn, its DCP steps:
-            layer = rank.layers[LATENT_LAYER]
-            impl, manager = layer.impl, layer.dcp_manager
-            impl.record_logical_topk_ready()
-            impl.prepare_for_batch(metadata)
-            q = case.q[:, r * h : (r + 1) * h].contiguous()
-            if impl.dcp_world_size > 1:
-                q = manager.query_gather(q)
-            out, lse = impl.forward_mqa(q, rank.cache, metadata, layer)
-            if impl.dcp_world_size > 1:
-                assert lse is not None
-                out = manager.combine(out, lse, seq_lens=None, query_start_loc=None)
-            return RankOutput(selection, out, impl.kernel_lse, impl.dcp_world_size)
-
+        run = functools.partial(
+            _rank_forward,
+            ranks=ranks,
+            case=case,
+            geometry=(dcp, shard_count, interleave),
+            metadata=metadata,
+            indexer_call=indexer_call,
+        )
         outputs = coop.run(run)
     return {
         "ranks": outputs,
