@@ -3,7 +3,9 @@
 """One real instance of every vLLM 0.33.0 KV-cache spec type (``build_specs``,
 ``mamba_align``) and what they answer (``answers``: widths, memory, page
 sizes, merge, repr, pickled bytes), imported both in the patched test process
-and in unpatched subprocesses so the two can be compared field by field.
+and in unpatched subprocesses so the two can be compared field by field;
+and ``full_attention_spec``, the GQA layer's spec the worker-table tests
+vary.
 """
 
 from __future__ import annotations
@@ -13,6 +15,22 @@ from fractions import Fraction
 from typing import Any
 
 from tests.support.vllm_configs import make_vllm_config
+
+
+def full_attention_spec(block_size: int = 64, **kw: Any) -> Any:
+    """vLLM's ``FullAttentionSpec`` of a GQA layer: 2 KV heads of 64,
+    bfloat16; ``kw`` as the spec takes it (``dcp_kv_shard_count`` and the
+    like)."""
+    import torch
+    from vllm.v1 import kv_cache_interface as k
+
+    return k.FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        **kw,
+    )
 
 
 def mamba_align() -> Any:
