@@ -35,17 +35,28 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.mla import cpu_shims, replica_groups_of
+from tests.support.mla import cpu_shims
+from tests.support.sparse_builders import (
+    NUM_DECODES,
+    REQUESTS,
+    B,
+    D,
+    build_on_rank,
+    builder_config,
+    common_metadata,
+    flashmla_sparse_backend,
+    indexer_backend,
+    plan_refusal,
+    spec_count,
+    upstream_builder,
+)
 from tests.support.sparse_mla import (
     INDEXER_LAYER,
     LATENT_LAYER,
-    build_group_builder,
     dsv32_config,
-    install_sparse_layers,
     rank_process,
 )
 from vllm_dcp_geometry.contract import local_seq_len
-from vllm_dcp_geometry.contract.overrides import partial_collectives
 from vllm_dcp_geometry.patches.worker.deepseek_v32_attention import REPLICA_ATTR
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR
 from vllm_dcp_geometry.runtime.impl_binding import ReplicaMaskedCombine
@@ -61,94 +72,6 @@ pytestmark = pytest.mark.patches(
     "common.kv_cache_interface",
 )
 
-D = 4
-B = 64  # fp8_ds_mla pages hold 64 tokens
-# (context, new tokens): two decodes, then a chunked prefill and a fresh one.
-REQUESTS = [(36, 1), (130, 1), (45, 6), (0, 9)]
-NUM_DECODES = 2
-
-
-def _indexer_backend() -> type:
-    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
-
-    return DeepseekV32IndexerBackend
-
-
-def _flashmla_sparse_backend() -> type:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    return AttentionBackendEnum["FLASHMLA_SPARSE"].get_class()
-
-
-def _spec_count(k: int) -> int | None:
-    return None if k == D else k
-
-
-def _build(
-    vllm_config: Any, rank: int, backend: type, name: str, spec: Any, dcp: int = D
-) -> tuple[Any, dict[str, Any]]:
-    """Rank ``rank``'s builder for the group of ``name``, its layers fresh; a
-    partial K within its replica gets its replica groups (what the worker
-    makes at KV-cache initialisation)."""
-    k = spec.dcp_shard_count(dcp)
-    within = partial_collectives(vllm_config.additional_config) == "replica"
-    replicas = [k] if 1 < k < dcp and within else []
-    with (
-        rank_process(vllm_config, dcp, rank) as group,
-        replica_groups_of(group, replicas),
-    ):
-        layers = install_sparse_layers(vllm_config, 4, 64)
-        return build_group_builder(backend, name, spec, vllm_config), layers
-
-
-def _config(interleave: int = 1, collectives: str = "replica", **kw: Any) -> Any:
-    vllm_config = dsv32_config(D, interleave, **kw)
-    if collectives != "replica":
-        vllm_config.additional_config = {
-            "dcp_geometry": {"partial_collectives": collectives}
-        }
-    return vllm_config
-
-
-def _upstream_builder(builder: Any, spec: Any, name: str, vllm_config: Any, **kw: Any):
-    """The same builder class constructed by vLLM's own constructor."""
-    cls = type(builder)
-    other = cls.__new__(cls)
-    original_of(cls.__init__)(
-        other, spec, [name], vllm_config, torch.device("cpu"), **kw
-    )
-    return other
-
-
-def _common_metadata(vllm_config: Any, rank: int) -> Any:
-    """The runner's ``CommonAttentionMetadata``, its ``dcp_local_seq_lens``
-    vLLM's global (D, r) ones as both runners compute them."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
-
-    seq = torch.tensor([c + n for c, n in REQUESTS], dtype=torch.int32)
-    query = torch.tensor([n for _, n in REQUESTS], dtype=torch.int32)
-    starts = torch.zeros(len(REQUESTS) + 1, dtype=torch.int32)
-    starts[1:] = query.cumsum(0)
-    tokens = int(query.sum())
-    interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
-    return CommonAttentionMetadata(
-        query_start_loc=starts,
-        query_start_loc_cpu=starts.clone(),
-        seq_lens=seq,
-        num_reqs=len(REQUESTS),
-        num_actual_tokens=tokens,
-        max_query_len=int(query.max()),
-        max_seq_len=int(seq.max()),
-        block_table_tensor=torch.arange(len(REQUESTS) * 8, dtype=torch.int32).view(
-            len(REQUESTS), 8
-        ),
-        slot_mapping=torch.zeros(tokens, dtype=torch.int64),
-        dcp_local_seq_lens=get_dcp_local_seq_lens(seq, D, rank, interleave),
-        seq_lens_cpu_upper_bound=seq.clone(),
-    )
-
-
 # The indexer builder ---------------------------------------------------------------
 
 
@@ -156,12 +79,12 @@ def _common_metadata(vllm_config: Any, rank: int) -> Any:
     ("k", "collectives"), [(1, "replica"), (2, "replica"), (2, "dcp"), (4, "replica")]
 )
 def test_indexer_builder_takes_the_shard_world(k: int, collectives: str) -> None:
-    vllm_config = _config(collectives=collectives)
-    spec = indexer_spec(B, _spec_count(k))
+    vllm_config = builder_config(collectives=collectives)
+    spec = indexer_spec(B, spec_count(k))
     with cpu_shims():
         for rank in range(D):
-            builder, layers = _build(
-                vllm_config, rank, _indexer_backend(), INDEXER_LAYER, spec
+            builder, layers = build_on_rank(
+                vllm_config, rank, indexer_backend(), INDEXER_LAYER, spec
             )
             shard = rank % k
             cache = layers[INDEXER_LAYER]
@@ -170,7 +93,7 @@ def test_indexer_builder_takes_the_shard_world(k: int, collectives: str) -> None
             assert builder.supports_draft_decode_metadata_update is (k == 1)
             if k == D:
                 with rank_process(vllm_config, D, rank):
-                    upstream = _upstream_builder(
+                    upstream = upstream_builder(
                         builder,
                         spec,
                         INDEXER_LAYER,
@@ -209,8 +132,8 @@ def test_indexer_build_gives_the_contract_local_lengths(
     """Decode ``seq_lens`` and every prefill chunk's ``local_cu_seq_lens`` and
     per-query ``[cu_seqlen_ks, cu_seqlen_ke)`` are the contract's local
     lengths of shard ``r % K``; the merge trigger stays set for K > 1."""
-    vllm_config = _config(interleave)
-    spec = indexer_spec(B, _spec_count(k))
+    vllm_config = builder_config(interleave)
+    spec = indexer_spec(B, spec_count(k))
 
     def local(length: int, shard: int) -> int:
         return local_seq_len(length, B, k, interleave, shard)
@@ -218,11 +141,11 @@ def test_indexer_build_gives_the_contract_local_lengths(
     with cpu_shims():
         for rank in range(D):
             shard = rank % k
-            builder, _ = _build(
-                vllm_config, rank, _indexer_backend(), INDEXER_LAYER, spec
+            builder, _ = build_on_rank(
+                vllm_config, rank, indexer_backend(), INDEXER_LAYER, spec
             )
             with rank_process(vllm_config, D, rank):
-                metadata = builder.build(0, _common_metadata(vllm_config, rank))
+                metadata = builder.build(0, common_metadata(vllm_config, rank))
             decode = metadata.decode
             assert metadata.num_decodes == NUM_DECODES
             want = [local(c + n, shard) for c, n in REQUESTS[:NUM_DECODES]]
@@ -268,15 +191,15 @@ def test_replicated_sparse_latent_builder_is_the_dcp1_builder() -> None:
     no DCP manager, an N-row workspace; the impl runs local."""
     dcp1 = dsv32_config(1, 1)
     with cpu_shims():
-        want, _ = _build(
-            dcp1, 0, _flashmla_sparse_backend(), LATENT_LAYER, latent_spec(B, None), 1
+        want, _ = build_on_rank(
+            dcp1, 0, flashmla_sparse_backend(), LATENT_LAYER, latent_spec(B, None), 1
         )
-        vllm_config = _config()
+        vllm_config = builder_config()
         for rank in range(D):
-            builder, layers = _build(
+            builder, layers = build_on_rank(
                 vllm_config,
                 rank,
-                _flashmla_sparse_backend(),
+                flashmla_sparse_backend(),
                 LATENT_LAYER,
                 latent_spec(B, 1),
             )
@@ -294,15 +217,15 @@ def test_replicated_sparse_latent_builder_is_not_refused_for_gathered_heads() ->
     nothing and builds."""
     vllm_config = dsv32_config(D, 1, heads_per_rank=32)
     with cpu_shims():
-        builder, _ = _build(
-            vllm_config, 1, _flashmla_sparse_backend(), LATENT_LAYER, latent_spec(B, 1)
+        builder, _ = build_on_rank(
+            vllm_config, 1, flashmla_sparse_backend(), LATENT_LAYER, latent_spec(B, 1)
         )
         assert builder.dcp_world_size == 1 and builder.num_heads == 32
         with pytest.raises(NotImplementedError, match="mixed-batch fp8 path"):
-            _build(
+            build_on_rank(
                 vllm_config,
                 1,
-                _flashmla_sparse_backend(),
+                flashmla_sparse_backend(),
                 LATENT_LAYER,
                 latent_spec(B, None),
             )
@@ -317,13 +240,13 @@ def test_partial_sparse_latent_builders_run_in_their_collective_world(
     whose query gather and combine span the replica; nothing masked). On the
     D-wide group it keeps upstream's D-wide builder (N + N/D rows) and masks
     duplicate replicas. K = D is upstream's builder and binds nothing."""
-    vllm_config = _config(collectives=collectives or "replica")
-    spec = latent_spec(B, _spec_count(k))
+    vllm_config = builder_config(collectives=collectives or "replica")
+    spec = latent_spec(B, spec_count(k))
     world = k if collectives == "replica" else D
     with cpu_shims():
         for rank in range(D):
-            builder, layers = _build(
-                vllm_config, rank, _flashmla_sparse_backend(), LATENT_LAYER, spec
+            builder, layers = build_on_rank(
+                vllm_config, rank, flashmla_sparse_backend(), LATENT_LAYER, spec
             )
             layer = layers[LATENT_LAYER]
             facts = _workspace_facts(builder)
@@ -337,7 +260,7 @@ def test_partial_sparse_latent_builders_run_in_their_collective_world(
             )
             if k == D:
                 with rank_process(vllm_config, D, rank):
-                    upstream = _upstream_builder(
+                    upstream = upstream_builder(
                         builder, spec, LATENT_LAYER, vllm_config
                     )
                 assert _workspace_facts(upstream) == facts
@@ -365,20 +288,19 @@ def test_sparse_dense_mha_context_is_planned_over_the_group(
     vLLM's MLA chunk planner: a partial group's chunks hold each shard's
     contract local lengths (K shards, not D), a K = D group's D shards."""
     from vllm_dcp_geometry.contract import local_seq_len
-    from vllm_dcp_geometry.runtime.patching import original_of
 
-    vllm_config = _config(collectives=collectives or "replica")
-    spec = latent_spec(B, _spec_count(k))
+    vllm_config = builder_config(collectives=collectives or "replica")
+    spec = latent_spec(B, spec_count(k))
     decodes = sum(1 for _, n in REQUESTS if n == 1)
     prefills = REQUESTS[decodes:]
     query_lens = torch.tensor([n for _, n in prefills], dtype=torch.int32)
     with cpu_shims():
         for rank in range(D):
-            builder, _ = _build(
-                vllm_config, rank, _flashmla_sparse_backend(), LATENT_LAYER, spec
+            builder, _ = build_on_rank(
+                vllm_config, rank, flashmla_sparse_backend(), LATENT_LAYER, spec
             )
             chunked = builder._build_chunked_context_fields(
-                _common_metadata(vllm_config, rank), decodes, len(prefills), query_lens
+                common_metadata(vllm_config, rank), decodes, len(prefills), query_lens
             )
             contexts = [c for c, _ in prefills]
             assert chunked.context_lens_list == contexts
@@ -395,53 +317,12 @@ def test_sparse_dense_mha_context_is_planned_over_the_group(
                 upstream = original_of(type(builder)._build_chunked_context_fields)
                 wrong = upstream(
                     builder,
-                    _common_metadata(vllm_config, rank),
+                    common_metadata(vllm_config, rank),
                     decodes,
                     len(prefills),
                     query_lens,
                 )
                 assert len(wrong.chunks[0].local_context_lens_allranks[0]) == D
-
-
-def _plan_refusal(
-    k: int, collectives: str, heads_per_rank: int, cache_dtype: str = "fp8_ds_mla"
-) -> str | None:
-    """``plan``'s restatement of the FlashMLA sparse builder's DCP refusal for
-    a latent group of ``heads_per_rank`` heads, K shards at D = 4."""
-    from vllm_dcp_geometry.contract.layer_classes import DEEPSEEK_V32_ATTENTION
-    from vllm_dcp_geometry.tooling.cli.plan.attention import flashmla_sparse_refusal
-    from vllm_dcp_geometry.tooling.topology import topology_from_mapping
-
-    group: dict[str, Any] = {
-        "name": "latent",
-        "kind": "mla",
-        "block_size": B,
-        "layers": [LATENT_LAYER],
-        "layer_class": DEEPSEEK_V32_ATTENTION,
-        "num_kv_heads": 1,
-        "head_size": 576,
-        "kv_lora_rank": 512,
-        "query_heads": D * heads_per_rank,
-        "dtype": "bfloat16",
-        "cache_dtype_str": cache_dtype,
-    }
-    if k != D:
-        group["dcp_kv_shard_count"] = k
-    topology = topology_from_mapping(
-        {
-            "name": "envelope",
-            "parallel": {
-                "tensor_parallel_size": D,
-                "decode_context_parallel_size": D,
-                "partial_collectives": collectives,
-            },
-            "groups": [group],
-        },
-        source="test",
-    )
-    return flashmla_sparse_refusal(
-        topology.groups[0], 0, "FLASHMLA_SPARSE", topology, k
-    )
 
 
 @pytest.mark.parametrize(
@@ -456,13 +337,13 @@ def test_the_gathered_head_envelope_is_checked_for_the_world_gathered(
     real builder builds a partial group within its replica (the plugin shows
     it the replica's world) and refuses it on the D-wide group and at K = D,
     as vLLM does; ``plan``'s restated rule refuses exactly where it does."""
-    vllm_config = _config(collectives=collectives, heads_per_rank=24)
-    spec = latent_spec(B, _spec_count(k))
-    refusal = _plan_refusal(k, collectives, 24)
+    vllm_config = builder_config(collectives=collectives, heads_per_rank=24)
+    spec = latent_spec(B, spec_count(k))
+    refusal = plan_refusal(k, collectives, 24)
     with cpu_shims():
         if builds:
-            builder, _ = _build(
-                vllm_config, 1, _flashmla_sparse_backend(), LATENT_LAYER, spec
+            builder, _ = build_on_rank(
+                vllm_config, 1, flashmla_sparse_backend(), LATENT_LAYER, spec
             )
             assert builder.num_heads == 24 and builder.fp8_decode_padded_heads == 64
             assert refusal is None
@@ -470,69 +351,5 @@ def test_the_gathered_head_envelope_is_checked_for_the_world_gathered(
         with pytest.raises(
             NotImplementedError, match="same fp8 decode kernel envelope"
         ):
-            _build(vllm_config, 1, _flashmla_sparse_backend(), LATENT_LAYER, spec)
+            build_on_rank(vllm_config, 1, flashmla_sparse_backend(), LATENT_LAYER, spec)
     assert refusal is not None and "pad to 64" in refusal and "to 128" in refusal
-
-
-# vLLM 0.34 ---------------------------------------------------------------------------
-
-
-@pytest.mark.vllm_releases("0.34.0")
-@pytest.mark.parametrize(
-    ("k", "collectives"), [(1, "replica"), (2, "replica"), (2, "dcp"), (4, "replica")]
-)
-def test_indexer_fused_topk_eligibility_follows_the_shard_world(
-    k: int, collectives: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """vLLM 0.34's builder plans prefill chunks for the fused MQA+top-k
-    kernel only with the whole context; the op, handed world K, may fuse
-    exactly at K = 1. Upstream's constructor decides it at D before the
-    plugin's world change; the builder must end up eligible iff K = 1 (the
-    rule's other inputs stood in for: no CUDA here)."""
-    from vllm.v1.attention.backends.mla import indexer
-
-    asked: list[bool] = []
-
-    def rule(**kwargs: Any) -> bool:
-        asked.append(kwargs["full_context"])
-        return bool(kwargs["full_context"])
-
-    monkeypatch.setattr(indexer, "use_fused_mqa_topk", rule)
-    vllm_config = _config(collectives=collectives)
-    spec = indexer_spec(B, _spec_count(k))
-    with cpu_shims():
-        for rank in range(D):
-            builder, _ = _build(
-                vllm_config, rank, _indexer_backend(), INDEXER_LAYER, spec
-            )
-            assert builder.dcp_world_size == k
-            assert builder.fused_mqa_topk_eligible is (k == 1), rank
-    # Upstream asks at D (K = D: nothing more); K < D asks again at K.
-    assert asked == ([False] * D if k == D else [False, k == 1] * D)
-
-
-@pytest.mark.vllm_releases("0.34.0")
-@pytest.mark.parametrize(
-    ("k", "collectives", "world"),
-    [(1, "replica", 1), (2, "replica", 2), (2, "dcp", D), (4, "replica", D)],
-)
-def test_a_bf16_sparse_latent_builds_at_every_k_on_034(
-    k: int, collectives: str, world: int
-) -> None:
-    """32 heads per rank with a bf16 cache: vLLM 0.33 refuses DCP (no fp8
-    mixed-batch path); 0.34 keeps its DCP limits for fp8 caches only, so the
-    builder builds at every K, in the world its collectives span (the
-    plugin's config view then changes no refusal)."""
-    vllm_config = _config(collectives=collectives, heads_per_rank=32)
-    vllm_config.cache_config.cache_dtype = "auto"
-    spec = latent_spec(B, _spec_count(k))
-    with cpu_shims():
-        builder, _ = _build(
-            vllm_config, 1, _flashmla_sparse_backend(), LATENT_LAYER, spec
-        )
-    assert not builder.use_fp8_kv_cache and not builder.fp8_use_mixed_batch
-    assert builder.dcp_world_size == world and builder.num_heads == 32
-    # plan says the same; with an fp8_ds_mla cache it refuses, as the builder.
-    assert _plan_refusal(k, collectives, 32, cache_dtype="auto") is None
-    if world > 1:
-        assert "mixed-batch fp8 path" in str(_plan_refusal(k, collectives, 32))

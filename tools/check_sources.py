@@ -25,10 +25,13 @@ imports: forbidden imports and settings in the package.
   modules import the contract and the runtime; the entry point those and the
   registry. None of them imports the tooling, which may import everything.
 
-sizes: in the package, the benchmarks and the tools (``SIZED``), no module
-over ``MAX_MODULE_LINES`` lines and no function over ``MAX_FUNCTION_LINES``
-(its decorators through its last line), so that a module reads in one sitting
-and a regression shows the day it lands. The tests are not sized.
+sizes: in the package, the benchmarks, the tools and the tests (``SIZED``),
+no module over ``MAX_MODULE_LINES`` lines and no function over
+``MAX_FUNCTION_LINES`` (its decorators through its last line), so that a
+module reads in one sitting and a regression shows the day it lands. The test
+modules written before the tests were sized and not split yet are named in
+``NOT_YET_SPLIT``; one that fits fails until it is dropped from the list, so
+the list only shrinks.
 """
 
 from __future__ import annotations
@@ -272,14 +275,31 @@ def import_problems(path: Path) -> list[str]:
     return found
 
 
-SIZED = ("vllm_dcp_geometry", "benchmarks", "tools")
+SIZED = ("vllm_dcp_geometry", "benchmarks", "tools", "tests")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
+NOT_YET_SPLIT = (
+    "tests/gpu/test_gpu_sparse_mla.py",
+    "tests/support/mla.py",
+    "tests/support/slot_mapping.py",
+    "tests/support/sparse_mla.py",
+)
+"""Test modules over the limits from before the tests were sized, each to be
+split; the GPU script's functions wait for a GPU to check the split on."""
 
 
 def size_problems(path: Path) -> list[str]:
     if not path.parts or path.parts[0] not in SIZED:
         return []
+    found = _over_the_limits(path)
+    if path.as_posix() not in NOT_YET_SPLIT:
+        return found
+    if found:
+        return []
+    return [f"{path}: within the limits now; drop it from NOT_YET_SPLIT"]
+
+
+def _over_the_limits(path: Path) -> list[str]:
     text = path.read_text(encoding="utf-8")
     found = []
     lines = len(text.splitlines())

@@ -19,6 +19,8 @@
 - ``sinks``: attention sinks over simulated ranks;
 - ``slot_mapping``: the slot-mapping cases and checks, CPU and GPU;
 - ``sources``: Python sources written for the source and layout checks;
+- ``sparse_builders``: DeepSeek-V3.2's indexer and sparse latent builders
+  per simulated rank;
 - ``sparse_collective_bytes``: DeepSeek-V3.2's decode-collective bytes,
   restated;
 - ``sparse_mla``: sparse MLA's top-k merge, owned-token filter and attention
