@@ -29,15 +29,17 @@ from tests.support.slot_mapping import (
     L,
     check_mixed,
     check_sweep,
-    check_unpatched_mixed_fails,
-    dcp1_outputs,
     mixed_scenario,
     mixed_specs,
     mixed_v1_slots,
     mixed_v2_slots,
-    unpatched_mixed_data,
     v1_sweep,
     v2_sweep,
+)
+from tests.support.unpatched_slots import (
+    check_unpatched_mixed_fails,
+    dcp1_outputs,
+    unpatched_mixed_data,
 )
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry import contract as c
@@ -112,7 +114,7 @@ def test_mixed_topology_v2_every_rank(v2_on_cpu: None) -> None:
 UNPATCHED_CODE = """
 import json
 from tests.support import worker as h
-from tests.support.slot_mapping import dcp1_outputs, unpatched_mixed
+from tests.support.unpatched_slots import dcp1_outputs, unpatched_mixed
 h.enable_v2_on_cpu()
 data = json.loads(DATA)
 print(json.dumps({"mixed": unpatched_mixed(data), "dcp1": dcp1_outputs(patched=False)}))

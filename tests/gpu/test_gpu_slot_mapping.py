@@ -68,7 +68,7 @@ def model_runner_v1(test: Any) -> Any:
 UNPATCHED_CODE = """
 import json, sys
 sys.path.insert(0, ROOT)
-from tests.support.slot_mapping import dcp1_outputs, unpatched_mixed
+from tests.support.unpatched_slots import dcp1_outputs, unpatched_mixed
 data = json.loads(DATA)
 print(json.dumps({
     "mixed": unpatched_mixed(data, "cuda"),

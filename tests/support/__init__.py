@@ -29,6 +29,8 @@
 - ``suite_layout``: the rules of this package's and ``tests/``'s layout;
 - ``sweeps``: the K grids;
 - ``traffic_worker``: a rank of the collective-traffic check;
+- ``unpatched_slots``: the slot mappings unpatched vLLM computes for the
+  slot-mapping cases;
 - ``vllm_configs``: the one way tests build a vLLM config;
 - ``worker``: vLLM's worker block tables and runners on CPU.
 
