@@ -15,13 +15,8 @@ import pytest
 import torch
 
 from tests.support.attention import attention_modes
-from tests.support.mla import (
-    SimulatedGroup,
-    cpu_shims,
-    mla_model_config,
-    model_dir,
-    process_groups,
-)
+from tests.support.mla import cpu_shims, mla_model_config, model_dir, process_groups
+from tests.support.simulated_collectives import SimulatedGroup
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.tooling.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vllm_dcp_geometry.tooling.topology import load_profile

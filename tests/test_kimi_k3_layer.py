@@ -23,15 +23,9 @@ from tests.support.kimi_k3 import (
     make_kimi_ranks,
     run_kimi_case,
 )
-from tests.support.mla import (
-    CPU,
-    CooperativeRanks,
-    concat_and_cache_mla,
-    cpu_shims,
-    make_batch,
-    mla_spec,
-)
+from tests.support.mla import CPU, concat_and_cache_mla, cpu_shims, make_batch, mla_spec
 from tests.support.processes import run_python
+from tests.support.simulated_collectives import CooperativeRanks
 from vllm_dcp_geometry.contract import DcpGeometryError, local_seq_len
 
 pytestmark = pytest.mark.patches(

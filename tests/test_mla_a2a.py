@@ -29,16 +29,15 @@ import torch
 from tests.support.kimi_k3 import fused_op_stand_ins, make_kimi_ranks, run_kimi_case
 from tests.support.mla import (
     CPU,
-    CooperativeRanks,
-    SimulatedGroup,
     cpu_shims,
     make_batch,
     make_ranks,
     mla_spec,
     process_groups,
     process_weights,
-    run_case,
 )
+from tests.support.mla_forward import run_case
+from tests.support.simulated_collectives import CooperativeRanks, SimulatedGroup
 
 pytestmark = pytest.mark.patches(
     "worker.mla_attention",

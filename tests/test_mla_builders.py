@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.mla import (
-    CPU,
-    CooperativeRanks,
-    common_metadata,
-    cpu_shims,
-    make_batch,
-    make_ranks,
-    mla_spec,
-)
+from tests.support.mla import CPU, cpu_shims, make_batch, make_ranks, mla_spec
+from tests.support.mla_forward import common_metadata
+from tests.support.simulated_collectives import CooperativeRanks
 from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import cdiv, local_seq_len
 from vllm_dcp_geometry.runtime.group_geometry import BOUND_GEOMETRY_ATTR

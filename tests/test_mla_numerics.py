@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.mla import CPU, run_case
+from tests.support.mla import CPU
+from tests.support.mla_forward import run_case
 from tests.support.processes import run_python
 from vllm_dcp_geometry.contract import local_seq_len
 
@@ -105,7 +106,7 @@ def test_all_to_all_combine_reads_the_partial_group() -> None:
 
 BASELINE = """
 import json
-from tests.support.mla import run_case
+from tests.support.mla_forward import run_case
 print(json.dumps({
     "replicated": run_case(4, 1, 1, patched=False),
     "partial": run_case(4, 2, 1, patched=False),

@@ -19,9 +19,6 @@ import torch
 from tests.support.mla import (
     CPU,
     LAYER,
-    CooperativeRanks,
-    SimulatedGroup,
-    common_metadata,
     cpu_shims,
     make_batch,
     make_ranks,
@@ -31,6 +28,8 @@ from tests.support.mla import (
     process_groups,
     replaced,
 )
+from tests.support.mla_forward import common_metadata
+from tests.support.simulated_collectives import CooperativeRanks, SimulatedGroup
 from vllm_dcp_geometry.contract import DcpGeometryError, GroupGeometry, local_seq_len
 from vllm_dcp_geometry.runtime.mla_geometry import check_context_workspace
 

@@ -21,13 +21,15 @@ import pytest
 import torch
 
 from tests.support.mla import (
+    concat_and_cache_mla,
+    cp_gather_cache,
+    gather_and_maybe_dequant_cache,
+)
+from tests.support.simulated_collectives import (
     CooperativeRanks,
     SimulatedGroup,
     all_gather_into_tensor,
     all_to_all_single,
-    concat_and_cache_mla,
-    cp_gather_cache,
-    gather_and_maybe_dequant_cache,
 )
 from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import (

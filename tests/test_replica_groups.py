@@ -161,10 +161,11 @@ def test_a_wrong_replica_group_is_refused_by_the_builder() -> None:
     {0, 2}, holding shard 0 like rank 0): the builder checks the group's
     world and rank against (K, r % K) and refuses."""
     from tests.support import mla
+    from tests.support.simulated_collectives import SimulatedGroup
 
     batch = mla.make_batch(4, 2, 0, mla.CPU)
     # DCP rank 2 in {0, 2}: rank 1 of a 2-rank group.
-    strided = mla.SimulatedGroup(None, 2, 1)
+    strided = SimulatedGroup(None, 2, 1)
     with (
         mla.cpu_shims(),
         pytest.raises(DcpGeometryError, match=r"not the group's \(K, r % K\)"),
@@ -184,12 +185,13 @@ def test_a_stale_replica_group_is_refused_by_the_builder() -> None:
     """A replica group made for an earlier DCP group (vLLM re-initialised
     its model parallel state) is not used."""
     from tests.support import mla
+    from tests.support.simulated_collectives import SimulatedGroup, replica_groups_of
 
     batch = mla.make_batch(4, 2, 0, mla.CPU)
-    earlier = mla.SimulatedGroup(None, 4, 0)
+    earlier = SimulatedGroup(None, 4, 0)
     with (
         mla.cpu_shims(),
-        mla.replica_groups_of(earlier, [2]),
+        replica_groups_of(earlier, [2]),
         pytest.raises(DcpGeometryError, match="were not made at KV-cache"),
     ):
         mla.make_ranks(

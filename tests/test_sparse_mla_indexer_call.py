@@ -196,7 +196,7 @@ def test_a_cache_bound_in_its_replica_takes_the_replica_rank(
     replica's, so the layer passes ``(r % K, D)``: that is replaced by the
     shard world and the call holds the replica; the D-wide rank ``r`` is
     then refused."""
-    from tests.support.mla import SimulatedReplica
+    from tests.support.simulated_collectives import SimulatedReplica
     from vllm_dcp_geometry.runtime.group_context import (
         current_replica_group,
         use_replica_group,

@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.mla import SimulatedReplica, replaced
+from tests.support.mla import replaced
+from tests.support.simulated_collectives import SimulatedReplica
 from tests.support.sparse_mla import (
     has_repeated_ids,
     indexer_geometry,

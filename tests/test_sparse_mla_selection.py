@@ -237,7 +237,7 @@ def test_merge_within_the_replica_sends_every_candidate(rank: int) -> None:
     """D=4, K=2 within its replica: every rank sends its top-k (nothing is
     padding), upstream's merge gets the shard world, and a replica group of
     another world or rank is refused."""
-    from tests.support.mla import SimulatedReplica
+    from tests.support.simulated_collectives import SimulatedReplica
     from vllm_dcp_geometry.runtime.group_context import use_replica_group
 
     seen: list[dict[str, Any]] = []

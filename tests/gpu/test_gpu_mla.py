@@ -56,7 +56,7 @@ CASES = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, "B")]
 def test_compiled_mla_backend_follows_the_group(
     backend: str, dcp: int, k: int, interleave: int | str
 ) -> None:
-    from tests.support.mla import run_case
+    from tests.support.mla_forward import run_case
 
     require_backend(backend)
     shape = mla_shape(backend)

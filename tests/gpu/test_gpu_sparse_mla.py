@@ -199,7 +199,7 @@ def _flashmla_rank(
     from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from tests.support.mla import replica_groups_of
+    from tests.support.simulated_collectives import replica_groups_of
     from tests.support.sparse_mla import (
         INDEXER_LAYER,
         LATENT_LAYER,
@@ -351,7 +351,7 @@ def _flashmla_forward(dcp: int, k: int, seed: int) -> dict[str, Any]:
         is_workspace_manager_initialized,
     )
 
-    from tests.support.mla import CooperativeRanks, SimulatedGroup
+    from tests.support.simulated_collectives import CooperativeRanks, SimulatedGroup
     from tests.support.sparse_mla import (
         INDEXER_LAYER,
         LATENT_LAYER,

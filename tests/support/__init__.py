@@ -10,13 +10,17 @@
 - ``gpu``: the GPU scripts' marks, runner and sizes;
 - ``hand_back``: strict doubles that record what a patched function reads;
 - ``kimi_k3``: Kimi-K3's MLA layer over simulated ranks;
-- ``mla``: vLLM's MLA attention over simulated ranks and its float64
-  reference;
+- ``mla``: vLLM's MLA attention layers, builders and caches per simulated
+  rank;
+- ``mla_forward``: one MLA forward over those ranks, and a case against its
+  float64 reference;
 - ``processes``: fresh patched or unpatched interpreters;
 - ``ranks``: ``ranks`` runs from the tests;
 - ``scheduler``: a mixed topology through vLLM's ``KVCacheManager``;
 - ``simulate``: the ``simulate`` tests' hooks and topologies;
 - ``sinks``: attention sinks over simulated ranks;
+- ``simulated_collectives``: D simulated DCP ranks in one process and their
+  collectives;
 - ``slot_mapping``: the slot-mapping cases and checks, CPU and GPU;
 - ``sources``: Python sources written for the source and layout checks;
 - ``sparse_builders``: DeepSeek-V3.2's indexer and sparse latent builders

@@ -32,23 +32,24 @@ from tests.support.mla import (
     CPU,
     LAYER,
     Batch,
-    CooperativeRanks,
     Rank,
-    RankResult,
     Shape,
     cpu_shims,
-    evaluate,
-    forward_inputs,
     make_batch,
     make_ranks,
     mla_spec,
     process_weights,
+    replaced,
+)
+from tests.support.mla_forward import (
+    RankResult,
+    evaluate,
+    forward_inputs,
     rank_results,
     recording,
-    replaced,
     run_rank,
-    simulated_collectives,
 )
+from tests.support.simulated_collectives import CooperativeRanks, simulated_collectives
 from vllm_dcp_geometry.contract import reference_slot_mapping
 from vllm_dcp_geometry.tooling.kimi_k3_stand_ins import (
     KIMI_K3_FUSED_OPS,
@@ -268,7 +269,7 @@ def run_kimi_case(
 ) -> dict[str, Any]:
     """One (D, K, I) case through Kimi-K3's layer (a partial K within
     simulated replica groups unless ``partial_collectives`` is ``"dcp"``), evaluated against the
-    float64 single-device reference (``tests.support.mla.evaluate``). Raises
+    float64 single-device reference (``tests.support.mla_forward.evaluate``). Raises
     what the layer raises (the unpatched baseline's crash). On a GPU the
     fused ops and every kernel are the real ones; only the collectives are
     simulated."""

@@ -9,7 +9,8 @@ gpt-oss's layers pass them), its builder made by
 the group's K), real metadata from that builder, and a paged cache written
 with the contract's slot mapping for its shard. The real
 ``FlashAttentionImpl.forward`` runs on every rank in cooperative threads
-(``tests.support.mla``): only the DCP collectives are simulated. On CPU the
+(``tests.support.simulated_collectives``): only the DCP collectives are
+simulated. On CPU the
 FlashAttention kernel (no CPU build) is the tooling's ``varlen_attention``
 (``flash_attn_stand_ins``), a float64 stand-in that honours ``s_aux`` as
 FlashAttention does; on a CUDA device
@@ -26,7 +27,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.mla import CooperativeRanks, SimulatedGroup, replica_groups_of
+from tests.support.simulated_collectives import (
+    CooperativeRanks,
+    SimulatedGroup,
+    replica_groups_of,
+)
 from tests.support.vllm_configs import make_vllm_config
 from vllm_dcp_geometry.contract import GroupGeometry, cdiv, reference_slot_mapping
 from vllm_dcp_geometry.tooling.flash_attn_stand_ins import varlen_attention

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tests.support.mla import replica_groups_of
+from tests.support.simulated_collectives import replica_groups_of
 from tests.support.sparse_mla import (
     LATENT_LAYER,
     build_group_builder,

@@ -45,15 +45,11 @@ from typing import Any
 
 import torch
 
-from tests.support.mla import (
+from tests.support.mla import Shape, cpu_shims, mla_spec, process_groups, replaced
+from tests.support.mla_forward import recording
+from tests.support.simulated_collectives import (
     CooperativeRanks,
-    Shape,
     SimulatedGroup,
-    cpu_shims,
-    mla_spec,
-    process_groups,
-    recording,
-    replaced,
     replica_groups_of,
 )
 from tests.support.vllm_configs import make_vllm_config
@@ -251,7 +247,7 @@ def select_on_ranks(
     ``within_replica``: a partial cache's merge holds its replica (rule A6),
     else it runs on the D-wide group (``partial_collectives: "dcp"``).
     ``plugin_getter``: as ``merge_stand_ins``."""
-    from tests.support.mla import SimulatedReplica
+    from tests.support.simulated_collectives import SimulatedReplica
 
     coop = CooperativeRanks(dcp)
     groups = [SimulatedGroup(coop, dcp, r) for r in range(dcp)]
