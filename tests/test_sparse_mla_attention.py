@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """DeepSeek-V3.2 sparse attention over a K-shard latent and indexer cache, end
-to end on D simulated ranks (``tests.support.sparse_mla.run_sparse_case``).
+to end on D simulated ranks (``tests.support.sparse_mla_case.run_sparse_case``).
 
 Per rank, every step vLLM's own code where it runs on CPU: the indexer call
 through the plugin's DeepSeek-V3.2 call wrapper (around a stand-in of the
@@ -46,13 +46,12 @@ from tests.support.sparse_mla import (
     FP32_TOLERANCE,
     LATENT_DIM,
     SCALE,
-    evaluate_sparse_case,
-    has_repeated_ids,
-    run_sparse_case,
-    selector_reads_rank_major,
     sparse_attention,
 )
+from tests.support.sparse_mla_case import evaluate_sparse_case, run_sparse_case
 from tests.support.sweeps import divisors
+from vllm_dcp_geometry.tooling.sparse_rank_run import has_repeated_ids
+from vllm_dcp_geometry.tooling.sparse_stand_ins import selector_reads_rank_major
 
 pytestmark = [
     pytest.mark.long_running,

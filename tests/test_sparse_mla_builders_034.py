@@ -25,10 +25,7 @@ from tests.support.sparse_builders import (
     plan_refusal,
     spec_count,
 )
-from tests.support.sparse_mla import (
-    INDEXER_LAYER,
-    LATENT_LAYER,
-)
+from tests.support.sparse_mla import INDEXER_LAYER, LATENT_LAYER
 from vllm_dcp_geometry.tooling.sparse_rank_run import indexer_spec, latent_spec
 
 pytestmark = pytest.mark.patches(

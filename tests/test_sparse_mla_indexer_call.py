@@ -15,11 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.sparse_mla import (
-    INDEXER_LAYER,
-    indexer_geometry,
-    layer_shell,
-)
+from tests.support.sparse_mla import INDEXER_LAYER, layer_shell
+from tests.support.sparse_selection import indexer_geometry
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.runtime.group_context import (
     current_indexer_geometry,

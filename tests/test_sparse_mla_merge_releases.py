@@ -15,7 +15,7 @@ the keywords on, never take the direct path, and, on the D-wide group
 - With a stand-in upstream (any release): what the wrapper passes on, and
   which group the module's ``get_dcp_group`` answers while it runs.
 - On 0.34 (``vllm_releases``): vLLM's real merge on D simulated ranks
-  (``tests.support.sparse_mla``), asked for the direct path, within the
+  (``tests.support.sparse_selection``), asked for the direct path, within the
   replica and D-wide, against the float64 single-device top-k; without the
   first-replica view the D-wide merge fails vLLM's view.
 
@@ -31,14 +31,11 @@ import torch
 
 from tests.support.mla import replaced
 from tests.support.simulated_collectives import SimulatedReplica
-from tests.support.sparse_mla import (
-    has_repeated_ids,
+from tests.support.sparse_mla import reference_topk, tied_scores
+from tests.support.sparse_selection import (
     indexer_geometry,
-    reference_topk,
     select_on_ranks,
     selection_lengths,
-    selection_sets,
-    tied_scores,
 )
 from vllm_dcp_geometry.patches.worker.sparse_attn_indexer import (
     FirstReplicaGather,
@@ -49,6 +46,7 @@ from vllm_dcp_geometry.runtime.group_context import (
     use_indexer_geometry,
     use_replica_group,
 )
+from vllm_dcp_geometry.tooling.sparse_rank_run import has_repeated_ids, selection_sets
 
 pytestmark = pytest.mark.patches("worker.sparse_attn_indexer")
 

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-dcp-geometry project
 """DeepSeek-V3.2's top-k selection over a K-shard indexer cache.
 
-D simulated ranks (``tests.support.sparse_mla``), rank r holding shard
+D simulated ranks (``tests.support.sparse_selection``), rank r holding shard
 ``r % K``: each takes the local top-k of its shard's logits and calls vLLM's
 real ``_merge_dcp_topk_global`` (patched by ``worker.sparse_attn_indexer``)
 as the DeepSeek-V3.2 call wrapper (``worker.deepseek_v32_attention``) has it
@@ -28,23 +28,23 @@ import pytest
 import torch
 
 from tests.support.processes import run_python
-from tests.support.sparse_mla import (
-    has_repeated_ids,
+from tests.support.sparse_mla import reference_topk, tied_scores
+from tests.support.sparse_selection import (
     indexer_geometry,
-    reference_topk,
     replica_selection_report,
     select_on_ranks,
     selection_lengths,
-    selection_sets,
-    selector_reads_rank_major,
-    tied_scores,
 )
 from tests.support.sweeps import divisors
 from vllm_dcp_geometry.contract import DcpGeometryError
 from vllm_dcp_geometry.runtime.group_context import (
     use_indexer_geometry,
 )
-from vllm_dcp_geometry.tooling.sparse_stand_ins import stable_topk_stand_in
+from vllm_dcp_geometry.tooling.sparse_rank_run import has_repeated_ids, selection_sets
+from vllm_dcp_geometry.tooling.sparse_stand_ins import (
+    selector_reads_rank_major,
+    stable_topk_stand_in,
+)
 
 pytestmark = pytest.mark.patches(
     "worker.sparse_attn_indexer", "worker.deepseek_v32_attention"
@@ -176,7 +176,7 @@ def test_unpatched_vllm_counts_replicas_twice() -> None:
     the single-device top-k."""
     code = """
     import json
-    from tests.support.sparse_mla import replica_selection_report
+    from tests.support.sparse_selection import replica_selection_report
     try:
         print(json.dumps(replica_selection_report(4, 2, 1)))
     except RuntimeError as exc:

@@ -81,7 +81,7 @@ def test_cutedsl_selector_keeps_the_stand_in_contract() -> None:
         stable_topk_from_gathered_candidates_cutedsl,
     )
 
-    from tests.support.sparse_mla import selection_sets
+    from vllm_dcp_geometry.tooling.sparse_rank_run import selection_sets
     from vllm_dcp_geometry.tooling.sparse_stand_ins import (
         selector_reads_rank_major,
         stable_topk_stand_in,
@@ -120,13 +120,11 @@ def test_real_merge_selects_the_single_device_topk(
 ) -> None:
     import torch
 
-    from tests.support.sparse_mla import (
+    from tests.support.sparse_mla import reference_topk, tied_scores
+    from tests.support.sparse_selection import select_on_ranks, selection_lengths
+    from vllm_dcp_geometry.tooling.sparse_rank_run import (
         has_repeated_ids,
-        reference_topk,
-        select_on_ranks,
-        selection_lengths,
         selection_sets,
-        tied_scores,
     )
 
     _require_cutedsl()
@@ -159,11 +157,8 @@ def test_compiled_triton_sparse_attention_follows_the_group(
     """The CPU end-to-end case with the compiled Triton kernels and the real
     selector (fp32 inputs; ``tl.dot`` may run them as TF32, hence the
     GPU tolerance)."""
-    from tests.support.sparse_mla import (
-        SparseShape,
-        evaluate_sparse_case,
-        run_sparse_case,
-    )
+    from tests.support.sparse_mla import SparseShape
+    from tests.support.sparse_mla_case import evaluate_sparse_case, run_sparse_case
 
     _require_cutedsl()
     shape = SparseShape(
@@ -356,14 +351,16 @@ def _flashmla_forward(dcp: int, k: int, seed: int) -> dict[str, Any]:
         INDEXER_LAYER,
         LATENT_LAYER,
         PerRankLayers,
-        indexer_call_arguments,
-        indexer_op_stand_in,
-        merge_stand_ins,
         reference_topk,
-        shard_logits,
         tied_scores,
     )
+    from tests.support.sparse_mla_case import indexer_call_arguments
+    from tests.support.sparse_selection import merge_stand_ins
     from vllm_dcp_geometry.patches.worker import deepseek_v32_attention
+    from vllm_dcp_geometry.tooling.sparse_rank_run import (
+        indexer_op_stand_in,
+        shard_logits,
+    )
 
     if not is_workspace_manager_initialized():
         init_workspace_manager(torch.device("cuda"))
@@ -439,7 +436,8 @@ def test_flashmla_sparse_fp8_follows_the_group(k: int) -> None:
     wherever it is stored), and what float64 gives within fp8's rounding."""
     import torch
 
-    from tests.support.sparse_mla import reference_attention, selection_sets
+    from tests.support.sparse_mla import reference_attention
+    from vllm_dcp_geometry.tooling.sparse_rank_run import selection_sets
 
     require_backend("FLASHMLA_SPARSE")
     _require_cutedsl()

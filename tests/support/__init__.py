@@ -27,8 +27,10 @@
   per simulated rank;
 - ``sparse_collective_bytes``: DeepSeek-V3.2's decode-collective bytes,
   restated;
-- ``sparse_mla``: sparse MLA's top-k merge, owned-token filter and attention
-  over simulated ranks;
+- ``sparse_mla``: sparse MLA's layers, builders and a case's inputs over
+  simulated ranks;
+- ``sparse_mla_case``: one end-to-end sparse MLA case over those ranks;
+- ``sparse_selection``: the top-k merge's selection over simulated ranks;
 - ``specs``: every KV-cache spec type and what it answers;
 - ``suite_layout``: the rules of this package's and ``tests/``'s layout;
 - ``sweeps``: the K grids;

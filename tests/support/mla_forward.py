@@ -16,20 +16,6 @@ from typing import Any
 
 import torch
 
-from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced as replaced
-from vllm_dcp_geometry.tooling.mla_rank_run import (
-    max_error,
-    mla_reference,
-)
-
-# Re-exported: the stand-ins, by name, for the tests and ``cpu_stand_ins``.
-from vllm_dcp_geometry.tooling.custom_op_stand_ins import (  # isort: skip
-    concat_and_cache_mla as concat_and_cache_mla,
-    cp_gather_cache as cp_gather_cache,
-    gather_and_maybe_dequant_cache as gather_and_maybe_dequant_cache,
-)
-
-
 from tests.support.mla import (
     CPU,
     Batch,
@@ -43,6 +29,11 @@ from tests.support.mla import (
 from tests.support.simulated_collectives import (
     CooperativeRanks,
     simulated_collectives,
+)
+from vllm_dcp_geometry.tooling.cpu_stand_ins import replaced
+from vllm_dcp_geometry.tooling.mla_rank_run import (
+    max_error,
+    mla_reference,
 )
 
 
